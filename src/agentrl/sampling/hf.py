@@ -1,0 +1,157 @@
+"""transformers sampler: batched, left-padded decoding with a KV cache and per-row seeds.
+
+We decode with our own loop rather than `model.generate` because the contract needs
+per-sequence seeds (trajectory i of a task samples the same tokens whatever else is in the
+batch) and the raw log-prob of every generated token. Finished rows leave the batch (their
+cache rows are dropped), so one long answer does not make the others pay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from agentrl.errors import UserError
+from agentrl.sampling.base import Completion, SamplingParams
+
+
+def stop_token_ids(tokenizer, model=None) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
+        ids.add(tid)
+    return {i for i in ids if i is not None}
+
+
+class HFSampler:
+    def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.adapter_version: int | None = None
+        if adapter:
+            self.load_adapter(adapter, version=0)
+
+    @classmethod
+    def from_config(cls, cfg, model=None, tokenizer=None) -> "HFSampler":
+        if model is None or tokenizer is None:
+            from agentrl.models import load_model
+
+            model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
+        return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def load_adapter(self, path: str, version: int | None = None) -> None:
+        from peft import PeftModel
+
+        p = Path(path)
+        if not (p / "adapter_config.json").is_file():
+            raise UserError(f"adapter directory {p} has no adapter_config.json (not a PEFT adapter)")
+        name = f"v{version if version is not None else 0}"
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(str(p), adapter_name=name, is_trainable=False)
+                self.model.set_adapter(name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+            raise UserError(f"adapter {p} does not fit the base model: {first}") from None
+        self.model.eval()
+        self.adapter_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> list[Completion]:
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError("one seed per prompt")
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            chunk_seeds = None if seeds is None else seeds[start : start + self.batch_size]
+            out.extend(self._generate_batch(chunk, params, chunk_seeds))
+        return out
+
+    def _generate_batch(self, prompts, params: SamplingParams, seeds) -> list[Completion]:
+        from transformers import DynamicCache
+
+        n, device = len(prompts), self.device
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's last token is at the end
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generators = None
+        if not params.greedy:
+            generators = [torch.Generator(device=device) for _ in range(n)]
+            for g, s in zip(generators, seeds if seeds is not None else torch.randint(0, 2**62, (n,)).tolist()):
+                g.manual_seed(int(s))
+
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        reason = ["length"] * n
+        active = list(range(n))  # original row index of each row still in the batch
+        cache = DynamicCache()
+        step_ids, step_pos = input_ids, positions
+        for _ in range(params.max_new_tokens):
+            logits = self.model(
+                input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1].float()
+            raw_logp = torch.log_softmax(logits, dim=-1)
+            chosen = self._choose(logits, params, [generators[i] for i in active] if generators else None)
+            keep = []
+            for row, orig in enumerate(active):
+                tok = int(chosen[row])
+                tokens[orig].append(tok)
+                logps[orig].append(float(raw_logp[row, tok]))
+                if tok in self.stop_ids:
+                    reason[orig] = "stop"
+                else:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=device)
+                cache.batch_select_indices(idx)
+                attention, chosen, step_pos = attention[idx], chosen[idx], step_pos[idx]
+                active = [active[r] for r in keep]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+            step_ids = chosen.view(-1, 1)
+            step_pos = step_pos[:, -1:] + 1
+        return [
+            Completion(
+                prompt_ids=list(prompts[i]),
+                token_ids=tokens[i],
+                logprobs=logps[i],
+                text=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
+                finish_reason=reason[i],
+                adapter_version=self.adapter_version,
+            )
+            for i in range(n)
+        ]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, params: SamplingParams, generators) -> torch.Tensor:
+        if params.greedy:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        picks = [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)]
+        return torch.cat(picks)

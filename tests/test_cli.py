@@ -1,0 +1,73 @@
+"""Bad input: one clear line on stderr, exit code 2, no traceback, nothing written."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def agentrl(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True,
+                          env=os.environ | (env or {}), cwd=cwd, timeout=300)
+
+
+def assert_clean_error(proc, pattern):
+    import re
+
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--split", "test"], r"unknown split 'test'"),
+        (["--task-type", "pick_heat"], r"unknown task type 'pick_heat'"),
+        (["--model", "./no/such/model"], r"model path not found: ./no/such/model"),
+        (["--max-steps", "0"], r"eval.max_steps must be >= 1"),
+        (["--policy", "random"], r"eval.policy must be 'model' or 'walkthrough'"),
+    ],
+)
+def test_eval_bad_input(tmp_path, args, pattern):
+    out = tmp_path / "out"
+    assert_clean_error(agentrl("eval", "--out", str(out), *args), pattern)
+    assert not out.exists()
+
+
+def test_eval_missing_data_dir(tmp_path):
+    out = tmp_path / "out"
+    proc = agentrl("eval", "--policy", "walkthrough", "--data", str(tmp_path / "none"), "--out", str(out))
+    assert_clean_error(proc, r"no ALFWorld data at .*none .*looked at --data, then \$ALFWORLD_DATA.*agentrl data download")
+    assert not out.exists()
+
+
+def test_eval_model_dir_without_config(tmp_path):
+    (tmp_path / "m").mkdir()
+    proc = agentrl("eval", "--model", str(tmp_path / "m"), "--limit", "1", "--out", str(tmp_path / "out"))
+    assert_clean_error(proc, r"has no config.json")
+
+
+def test_default_model_not_prepared(tmp_path):
+    proc = agentrl("eval", "--limit", "1", "--out", str(tmp_path / "out"), env={"AGENTRL_CACHE": str(tmp_path / "cache")})
+    assert_clean_error(proc, r"default model is not prepared .*agentrl model prepare")
+
+
+def test_malformed_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sampling:\n  temprature: 0.1\n")
+    assert_clean_error(agentrl("eval", "--config", str(bad)), r"unknown config key 'sampling.temprature'.*did you mean")
+
+
+def test_data_check_counts_real_games(data_root):
+    proc = agentrl("data", "check", "--data", str(data_root))
+    assert proc.returncode == 0, proc.stderr
+    row = next(ln for ln in proc.stdout.splitlines() if "all" in ln.split("│")[1])
+    assert [c.strip() for c in row.split("│")[2:5]] == ["600", "140", "134"]
+
+
+def test_data_check_missing_dir(tmp_path):
+    assert_clean_error(agentrl("data", "check", "--data", str(tmp_path / "none")), r"no ALFWorld data at")

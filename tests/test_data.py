@@ -1,0 +1,84 @@
+import json
+import logging
+
+import pytest
+
+from agentrl.config import TASK_TYPES
+from agentrl.env.data import discover_games, resolve_data_root, scan_split
+from agentrl.errors import UserError
+
+
+def test_discovers_every_valid_seen_game(data_root):
+    games = discover_games("valid_seen", data_root)
+    assert len(games) == 140
+    assert {g.task_type for g in games} == set(TASK_TYPES)
+    assert len({g.game_id for g in games}) == 140
+    assert all(g.walkthrough for g in games)
+
+
+def test_train_split_found_without_traj_data(data_root):
+    games = discover_games("train", data_root, ["pick_heat_then_place_in_recep"])
+    assert len(games) == 100
+    assert all(g.task_type == "pick_heat_then_place_in_recep" and g.split == "train" for g in games)
+
+
+def test_filters_and_limit_are_deterministic(data_root):
+    first = discover_games("valid_unseen", data_root, ["look_at_obj_in_light", "pick_two_obj_and_place"], limit=5)
+    again = discover_games("valid_unseen", data_root, ["look_at_obj_in_light", "pick_two_obj_and_place"], limit=5)
+    assert [g.game_id for g in first] == [g.game_id for g in again]
+    assert len(first) == 5 and {g.task_type for g in first} <= {"look_at_obj_in_light", "pick_two_obj_and_place"}
+
+
+def test_data_root_order(monkeypatch, tmp_path):
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "env"))
+    assert resolve_data_root(tmp_path / "flag") == tmp_path / "flag"
+    assert resolve_data_root(None) == tmp_path / "env"
+    monkeypatch.delenv("ALFWORLD_DATA")
+    assert str(resolve_data_root(None)).endswith(".cache/alfworld")
+
+
+def test_missing_data_dir_says_where_it_looked(tmp_path):
+    with pytest.raises(UserError, match=r"no ALFWorld data at .*nowhere.*agentrl data download"):
+        discover_games("valid_seen", tmp_path / "nowhere")
+
+
+def test_missing_split_is_clear(tmp_path):
+    (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"split 'valid_seen' not found"):
+        discover_games("valid_seen", tmp_path)
+
+
+def test_unknown_split_and_task_type(data_root):
+    with pytest.raises(UserError, match="unknown split 'test'"):
+        discover_games("test", data_root)
+    with pytest.raises(UserError, match="unknown task type 'pick_heat'"):
+        discover_games("valid_seen", data_root, ["pick_heat"])
+
+
+def make_split(tmp_path, real_game, corrupt_text):
+    """A data root holding one real game (symlinked, not copied) and one corrupt game file."""
+    split = tmp_path / "json_2.1.1" / "valid_seen"
+    good = split / real_game.path.parent.parent.name / real_game.path.parent.name
+    good.mkdir(parents=True)
+    (good / "game.tw-pddl").symlink_to(real_game.path)
+    bad = split / "pick_and_place_simple-Broken-None-Shelf-1" / "trial_0"
+    bad.mkdir(parents=True)
+    (bad / "game.tw-pddl").write_text(corrupt_text)
+    return bad / "game.tw-pddl"
+
+
+def test_corrupt_game_file_is_reported_and_skipped(tmp_path, games, caplog):
+    bad = make_split(tmp_path, games["look_at_obj_in_light"], "{ this is not json")
+    with caplog.at_level(logging.WARNING):
+        found = discover_games("valid_seen", tmp_path)
+    assert [g.task_type for g in found] == ["look_at_obj_in_light"]
+    assert str(bad) in caplog.text
+    scan = scan_split(tmp_path, "valid_seen")
+    assert [p for p, _ in scan.corrupt] == [bad]
+
+
+def test_unsolvable_games_are_filtered(tmp_path, games):
+    data = json.loads(games["look_at_obj_in_light"].path.read_text())
+    bad = make_split(tmp_path, games["look_at_obj_in_light"], json.dumps(data | {"solvable": False}))
+    scan = scan_split(tmp_path, "valid_seen")
+    assert len(scan.games) == 1 and scan.unsolvable == [bad]

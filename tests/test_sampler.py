@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from agentrl.errors import UserError
+from agentrl.sampling.base import SamplingParams
+from agentrl.sampling.hf import HFSampler
+
+
+@pytest.fixture
+def prompts(tokenizer):
+    texts = ["Thought: short", "a somewhat longer prompt so that left padding matters here"]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def test_greedy_matches_transformers_generate(tiny_model, tokenizer, prompts):
+    sampler = HFSampler(tiny_model, tokenizer)
+    out = sampler.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    for p, c in zip(prompts, out):
+        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=list(sampler.stop_ids),
+                                  pad_token_id=tokenizer.pad_token_id)
+        assert c.token_ids == ref[0, len(p):].tolist()
+        assert c.prompt_ids == p
+
+
+def test_logprobs_equal_teacher_forced(tiny_model, tokenizer, prompts):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=6)
+    for p, c in zip(prompts, sampler.generate(prompts, params, seeds=[1, 2])):
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
+        expected = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)]
+        assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_seeds_reproduce_a_row_whatever_the_batch(tiny_model, tokenizer, prompts):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    both = sampler.generate(prompts, params, seeds=[11, 22])
+    alone = sampler.generate(prompts[1:], params, seeds=[22])
+    assert both[1].token_ids == alone[0].token_ids
+    other = sampler.generate(prompts[1:], params, seeds=[23])
+    assert other[0].token_ids != alone[0].token_ids
+
+
+def test_batch_size_chunks_do_not_change_results(tiny_model, tokenizer, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    big = HFSampler(tiny_model, tokenizer, batch_size=8).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
+    small = HFSampler(tiny_model, tokenizer, batch_size=1).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
+    assert [c.token_ids for c in big] == [c.token_ids for c in small]
+
+
+def test_stop_token_ends_a_row_and_others_continue(tiny_model, tokenizer, prompts):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    first = sampler.generate(prompts, params)
+    stop = first[0].token_ids[-1]
+    k = first[0].token_ids.index(stop)  # row 0 now stops at the first occurrence of its last token
+    sampler.stop_ids = {stop}
+    out = sampler.generate(prompts, params)
+    assert out[0].finish_reason == "stop" and out[0].token_ids == first[0].token_ids[: k + 1]
+    if stop not in first[1].token_ids:
+        assert out[1].finish_reason == "length" and out[1].token_ids == first[1].token_ids
+
+
+def test_peft_adapter_is_applied(tiny_model, tokenizer, prompts, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    import copy
+
+    torch.manual_seed(1)
+    peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    base = HFSampler(copy.deepcopy(tiny_model), tokenizer).generate(prompts, params)
+    sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer, adapter=str(tmp_path / "adapter"))
+    adapted = sampler.generate(prompts, params)
+    with torch.no_grad():
+        p = prompts[0]
+        ref = torch.log_softmax(peft_model(torch.tensor([p + adapted[0].token_ids])).logits[0].float(), -1)
+    assert adapted[0].logprobs[0] == pytest.approx(ref[len(p) - 1, adapted[0].token_ids[0]].item(), abs=1e-4)
+    assert [c.logprobs for c in adapted] != [c.logprobs for c in base]
+    assert sampler.adapter_version == 0
+
+
+def test_bad_adapter_dirs_are_user_errors(tiny_model, tokenizer, tmp_path):
+    with pytest.raises(UserError, match="not a PEFT adapter"):
+        HFSampler(tiny_model, tokenizer, adapter=str(tmp_path))
