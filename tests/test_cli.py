@@ -63,10 +63,11 @@ def test_malformed_config(tmp_path):
 
 
 def test_data_check_counts_real_games(data_root):
-    proc = agentrl("data", "check", "--data", str(data_root))
+    proc = agentrl("data", "check", "--data", str(data_root), env={"COLUMNS": "160"})
     assert proc.returncode == 0, proc.stderr
-    row = next(ln for ln in proc.stdout.splitlines() if "all" in ln.split("│")[1])
-    assert [c.strip() for c in row.split("│")[2:5]] == ["600", "140", "134"]
+    rows = [ln.split("│") for ln in proc.stdout.splitlines() if ln.count("│") >= 4]
+    row = next(cells for cells in rows if cells[1].strip() == "all")
+    assert [c.strip() for c in row[2:5]] == ["600", "140", "134"]
 
 
 def test_data_check_missing_dir(tmp_path):

@@ -85,3 +85,27 @@ def test_peft_adapter_is_applied(tiny_model, tokenizer, prompts, tmp_path):
 def test_bad_adapter_dirs_are_user_errors(tiny_model, tokenizer, tmp_path):
     with pytest.raises(UserError, match="not a PEFT adapter"):
         HFSampler(tiny_model, tokenizer, adapter=str(tmp_path))
+
+
+def test_kv_reuse_across_turns_gives_the_same_samples(tiny_model, tokenizer, prompts):
+    """Multi-turn: the second call continues the first; reusing the cache must not change results."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
+    results = {}
+    for reuse in (False, True):
+        sampler = HFSampler(tiny_model, tokenizer)
+        keys = ["a", "b"] if reuse else None
+        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
+        second_prompts = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
+        second = sampler.generate(second_prompts, params, seeds=[3, 4], keys=keys)
+        results[reuse] = (first, second)
+        if reuse:
+            assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
+            assert set(sampler._kv) == {"a", "b"}
+            third = sampler.generate(second_prompts[:1], params, seeds=[5], keys=["a"])
+            assert set(sampler._kv) == {"a"}  # "b" left the batch: its cache is dropped
+            assert third[0].prompt_ids == second_prompts[0]
+    for (f0, s0), (f1, s1) in [(results[False], results[True])]:
+        for a, b in zip(f0 + s0, f1 + s1):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

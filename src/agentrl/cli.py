@@ -63,7 +63,7 @@ def eval_cmd(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
-    from agentrl.evaluate import run_eval
+    from agentrl.evaluate import prepare_eval, run_eval
 
     cfg = load_config(config, {
         "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
@@ -73,6 +73,8 @@ def eval_cmd(
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.eval.max_steps or cfg.env.max_steps
+    with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
+        games, policy = prepare_eval(cfg)
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err, transient=False,
@@ -88,7 +90,7 @@ def eval_cmd(
             won = sum(t.won for t in trajs)
             bar.update(stepping, completed=step, visible=True, info=f"live {live}  won {won}/{len(trajs)}")
 
-        result = run_eval(cfg, out, on_step=on_step, on_reset=on_reset)
+        result = run_eval(cfg, out, games, policy, on_step=on_step, on_reset=on_reset)
         bar.update(stepping, completed=max_t)
     print_summary(result.summary)
     console.print(f"wrote {out / 'episodes.jsonl'} and {out / 'summary.json'}")

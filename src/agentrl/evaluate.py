@@ -68,10 +68,16 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
     }
 
 
-def run_eval(cfg: Config, out: Path | None = None, sampler=None, on_step=None, on_reset=None) -> EvalResult:
-    """Run greedy episodes on cfg.eval's split; write episodes.jsonl and summary.json into `out`."""
+def prepare_eval(cfg: Config, sampler=None):
+    """(games, policy): everything that can fail on bad input, before any episode runs."""
     games = discover_games(cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
-    policy = build_policy(cfg, sampler)
+    return games, build_policy(cfg, sampler)
+
+
+def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_step=None, on_reset=None) -> EvalResult:
+    """Run greedy episodes on cfg.eval's split; write episodes.jsonl and summary.json into `out`."""
+    if games is None or policy is None:
+        games, policy = prepare_eval(cfg)
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
     trajs, stats = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset)
     summary = summarize(trajs, stats, cfg)

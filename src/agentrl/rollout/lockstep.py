@@ -52,7 +52,8 @@ class ModelPolicy:
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
         seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
-        completions = self.sampler.generate([t.token_ids for t in trajs], self.params, seeds)
+        keys = [(t.game.game_id, t.index) for t in trajs]
+        completions = self.sampler.generate([t.token_ids for t in trajs], self.params, seeds, keys)
         for t, c in zip(trajs, completions):
             t.append(c.token_ids, generated=True, logprobs=c.logprobs)
             t.step_tokens.append(len(c.token_ids))

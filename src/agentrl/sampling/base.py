@@ -37,9 +37,11 @@ class Sampler(Protocol):
     tokenizer: object
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
     ) -> list[Completion]:
-        """One completion per prompt (token ids), in order. seeds[i] makes row i reproducible."""
+        """One completion per prompt (token ids), in order. seeds[i] makes row i reproducible;
+        keys[i] names the sequence (trajectory) prompt i continues, so a backend may reuse its
+        KV cache (a hint: results must not depend on it)."""
         ...
 
     def load_adapter(self, path: str, version: int | None = None) -> None:

@@ -34,6 +34,9 @@ class HFSampler:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
+        self._kv: dict = {}  # key -> (ids fed to the model, per-layer (k, v) without pads)
+        self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
+        self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         if adapter:
             self.load_adapter(adapter, version=0)
 
@@ -67,32 +70,61 @@ class HFSampler:
             raise UserError(f"adapter {p} does not fit the base model: {first}") from None
         self.model.eval()
         self.adapter_version = version
+        self._kv = {}  # caches computed with the old weights are stale
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
+    ) -> list[Completion]:
+        """`keys[i]` names the sequence prompt i continues (e.g. a trajectory): its KV cache from the
+        previous call is reused when that call's ids are a prefix of the prompt, so a multi-turn
+        step prefills only the new observation. Caches of keys absent from this call are dropped."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError("one seed per prompt")
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError("one key per prompt")
+        previous, self._kv = self._kv, {}
         out: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            chunk_seeds = None if seeds is None else seeds[start : start + self.batch_size]
-            out.extend(self._generate_batch(chunk, params, chunk_seeds))
+            end = start + self.batch_size
+            chunk_seeds = None if seeds is None else seeds[start:end]
+            chunk_keys = None if keys is None else keys[start:end]
+            out.extend(self._generate_batch(prompts[start:end], params, chunk_seeds, chunk_keys, previous))
         return out
 
-    def _generate_batch(self, prompts, params: SamplingParams, seeds) -> list[Completion]:
+    def _reusable(self, prompt: list[int], key, previous: dict) -> tuple[int, list | None]:
+        entry = previous.get(key) if key is not None else None
+        if entry is None:
+            return 0, None
+        ids, kv = entry
+        if len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            return len(ids), kv
+        return 0, None
+
+    def _generate_batch(self, prompts, params: SamplingParams, seeds, keys, previous) -> list[Completion]:
         from transformers import DynamicCache
 
         n, device = len(prompts), self.device
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        width = max(len(p) for p in prompts)
+        reuse = [self._reusable(p, None if keys is None else keys[i], previous) for i, p in enumerate(prompts)]
+        cached = [c for c, _ in reuse]
+        width_c = max(cached)
+        deltas = [p[c:] for p, c in zip(prompts, cached)]
+        self.prefill_tokens += sum(len(d) for d in deltas)
+        self.reused_tokens += sum(cached)
+        width = max(len(d) for d in deltas)
+        # row layout: [pad, cached_i | pad, delta_i]; the mask hides the pads, positions are real
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's last token is at the end
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention[i, width - len(p) :] = 1
-        input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        attention = torch.zeros((n, width_c + width), dtype=torch.long)
+        positions = torch.zeros((n, width), dtype=torch.long)
+        for i, (d, c) in enumerate(zip(deltas, cached)):
+            input_ids[i, width - len(d) :] = torch.tensor(d)
+            attention[i, width_c - c : width_c] = 1
+            attention[i, width_c + width - len(d) :] = 1
+            positions[i, width - len(d) :] = torch.arange(c, c + len(d))
+        input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
+        cache = DynamicCache(ddp_cache_data=self._stack_kv(reuse, width_c)) if width_c else DynamicCache()
         generators = None
         if not params.greedy:
             generators = [torch.Generator(device=device) for _ in range(n)]
@@ -103,7 +135,6 @@ class HFSampler:
         logps: list[list[float]] = [[] for _ in range(n)]
         reason = ["length"] * n
         active = list(range(n))  # original row index of each row still in the batch
-        cache = DynamicCache()
         step_ids, step_pos = input_ids, positions
         for _ in range(params.max_new_tokens):
             logits = self.model(
@@ -121,13 +152,20 @@ class HFSampler:
                     reason[orig] = "stop"
                 else:
                     keep.append(row)
-            if not keep:
+            if len(tokens[active[0]]) == params.max_new_tokens:
+                keep_rows = []  # budget spent: every row leaves
+            else:
+                keep_rows = keep
+            if keys is not None:
+                for row in set(range(len(active))) - set(keep_rows):
+                    self._save(keys[active[row]], prompts[active[row]] + tokens[active[row]][:-1], cache, attention, row)
+            if not keep_rows:
                 break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=device)
+            if len(keep_rows) < len(active):
+                idx = torch.tensor(keep_rows, device=device)
                 cache.batch_select_indices(idx)
                 attention, chosen, step_pos = attention[idx], chosen[idx], step_pos[idx]
-                active = [active[r] for r in keep]
+                active = [active[r] for r in keep_rows]
             attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
             step_ids = chosen.view(-1, 1)
             step_pos = step_pos[:, -1:] + 1
@@ -142,6 +180,28 @@ class HFSampler:
             )
             for i in range(n)
         ]
+
+    @staticmethod
+    def _stack_kv(reuse, width_c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Left-pad each row's stored per-layer (k, v) to width_c and stack them into a batch."""
+        template = next(kv for _, kv in reuse if kv is not None)
+        layers = []
+        for layer, (k0, v0) in enumerate(template):
+            k = k0.new_zeros((len(reuse), k0.shape[1], width_c, k0.shape[3]))
+            v = v0.new_zeros((len(reuse), v0.shape[1], width_c, v0.shape[3]))
+            for i, (c, kv) in enumerate(reuse):
+                if kv is not None:
+                    k[i, :, width_c - c :] = kv[layer][0][0]
+                    v[i, :, width_c - c :] = kv[layer][1][0]
+            layers.append((k, v))
+        return layers
+
+    def _save(self, key, fed_ids: list[int], cache, attention: torch.Tensor, row: int) -> None:
+        """Keep one row's cache, pads removed, for the next call on the same key."""
+        idx = attention[row].nonzero().squeeze(-1)
+        kv = [(layer.keys[row : row + 1, :, idx].clone(), layer.values[row : row + 1, :, idx].clone()) for layer in cache.layers]
+        assert kv[0][0].shape[2] == len(fed_ids), (kv[0][0].shape, len(fed_ids))
+        self._kv[key] = (list(fed_ids), kv)
 
     @staticmethod
     def _choose(logits: torch.Tensor, params: SamplingParams, generators) -> torch.Tensor:
