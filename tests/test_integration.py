@@ -60,3 +60,14 @@ def test_model_policy_tokens_are_exact(default_model_dir, data_root):
     text = tok.decode(traj.token_ids)
     assert traj.initial_observation in text and traj.steps[0].observation in text
     assert text.count("<|im_start|>assistant") == 2
+
+
+def test_prompt_examples_replay_to_a_win_in_the_engine(data_root):
+    """Every in-context example is a real train walkthrough: same observations, ends won."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_examples.py"
+    proc = subprocess.run([sys.executable, str(script), "--check", "--data", str(data_root)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6/6 example files pass" in proc.stdout
