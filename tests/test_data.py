@@ -29,6 +29,15 @@ def test_filters_and_limit_are_deterministic(data_root):
     assert len(first) == 5 and {g.task_type for g in first} <= {"look_at_obj_in_light", "pick_two_obj_and_place"}
 
 
+def test_first_games_cover_every_task_type(data_root):
+    first = discover_games("valid_seen", data_root, limit=12)
+    assert [g.task_type for g in first] == list(TASK_TYPES) * 2
+    everything = discover_games("valid_seen", data_root)
+    assert sorted(g.path for g in everything) == sorted(g.path for g in discover_games("valid_seen", data_root))
+    same_type = [g.path for g in everything if g.task_type == "pick_and_place_simple"]
+    assert same_type == sorted(same_type)
+
+
 def test_data_root_order(monkeypatch, tmp_path):
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "env"))
     assert resolve_data_root(tmp_path / "flag") == tmp_path / "flag"

@@ -59,7 +59,20 @@ def test_model_policy_tokens_are_exact(default_model_dir, data_root):
     assert all(lp <= 0 for lp, m in zip(traj.logprobs, traj.action_mask) if m)
     text = tok.decode(traj.token_ids)
     assert traj.initial_observation in text and traj.steps[0].observation in text
-    assert text.count("<|im_start|>assistant") == 2
+    from agentrl.prompt import load_prompts
+
+    example_turns = len(load_prompts()[1][game.task_type])
+    assert text.count("<|im_start|>assistant") == example_turns + 2  # the example's replies + 2 steps
+    # each run of masked tokens is one step's reply: decoding it gives the recorded response
+    runs, current = [], []
+    for token, m in zip(traj.token_ids, traj.action_mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    assert [tok.decode(r, skip_special_tokens=True) for r in runs] == [s.response for s in traj.steps]
 
 
 def test_prompt_examples_replay_to_a_win_in_the_engine(data_root):

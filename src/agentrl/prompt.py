@@ -1,9 +1,11 @@
 """ReAct prompt and chat rendering to exact token ids.
 
-The system message is prompts/system.txt with `{example}` replaced by the in-context example
-of the game's task type (prompts/examples/<task_type>.txt, taken from a real walkthrough).
-The first observation is the first user message; each reply is `Thought: ...` /
-`Action: ...`; each later observation is a user message.
+The system message is prompts/system.txt. The in-context example of the game's task type
+(prompts/examples/<task_type>.txt, a real train walkthrough) follows as chat turns: each of
+its observations a user turn, each Thought/Action an assistant turn; small models follow
+the format far better this way than with the example pasted into the system message. Then
+the episode: its first observation is a user turn, each reply `Thought: ...` /
+`Action: ...`, each later observation a user turn.
 
 Token ids grow by appending: [prompt] + generated + [end of turn, observation, assistant
 header] + generated + ... The ids the sampler produced are kept as they are (never
@@ -27,28 +29,44 @@ def default_prompt_dir() -> Path:
 
 
 @lru_cache(maxsize=8)
-def load_prompts(prompt_dir: str | None = None) -> tuple[str, dict[str, str]]:
-    """(system template, {task_type: example transcript}); a clear error for a missing file."""
+def load_prompts(prompt_dir: str | None = None) -> tuple[str, dict[str, tuple[tuple[str, str], ...]]]:
+    """(system text, {task_type: ((observation, reply), ...)}); a clear error for a missing file."""
     d = Path(prompt_dir) if prompt_dir else default_prompt_dir()
     system_file = d / "system.txt"
     if not system_file.is_file():
         raise UserError(f"prompt file not found: {system_file}")
-    system = system_file.read_text()
-    if system.count("{example}") != 1:
-        raise UserError(f"{system_file} must contain the placeholder {{example}} exactly once")
     examples = {}
     for t in TASK_TYPES:
         f = d / "examples" / f"{t}.txt"
         if not f.is_file():
             raise UserError(f"in-context example not found: {f}")
-        lines = [ln for ln in f.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-        examples[t] = "\n".join(lines)
-    return system, examples
+        examples[t] = parse_example(f)
+    return system_file.read_text().strip(), examples
 
 
-def system_message(task_type: str, prompt_dir: str | None = None) -> str:
+def parse_example(path: Path) -> tuple[tuple[str, str], ...]:
+    """Observation/Thought/Action lines -> ((observation, "Thought: ...\nAction: ..."), ...)."""
+    turns: list[list[str]] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("Observation: "):
+            turns.append([line[len("Observation: ") :], ""])
+        elif line.startswith(("Thought: ", "Action: ")) and turns:
+            turns[-1][1] = (turns[-1][1] + "\n" + line).strip()
+        elif line.strip() and not line.startswith("#"):
+            raise UserError(f"{path}: unexpected line {line[:60]!r} (want Observation:/Thought:/Action:)")
+    pairs = tuple((obs, reply) for obs, reply in turns if reply)  # the final observation has no reply
+    if not pairs:
+        raise UserError(f"{path}: no Observation/Thought/Action turns")
+    return pairs
+
+
+def episode_messages(task_type: str, first_observation: str, prompt_dir: str | None = None) -> list[dict]:
+    """System message, the task type's example as chat turns, then the episode's first observation."""
     system, examples = load_prompts(prompt_dir)
-    return system.replace("{example}", examples[task_type]).strip()
+    messages = [{"role": "system", "content": system}]
+    for obs, reply in examples[task_type]:
+        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": reply}]
+    return messages + [{"role": "user", "content": first_observation}]
 
 
 class ChatRenderer:
@@ -72,9 +90,8 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def initial(self, system: str, observation: str) -> list[int]:
-        """Ids of [system, first observation, assistant header]."""
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": observation}]
+    def initial(self, messages: list[dict]) -> list[int]:
+        """Ids of the opening messages (ending with a user turn) and the assistant header."""
         return self.encode(self._text(messages, generation_prompt=True))
 
     def observation(self, observation: str, reply_stopped: bool) -> list[int]:

@@ -103,15 +103,29 @@ class Discovery:
     unsolvable: list[Path]
 
 
+def interleave_by_type(paths: list[Path]) -> list[Path]:
+    """Round-robin over task types (each type in path order): the first N games cover every type."""
+    by_type: dict[str, list[Path]] = {}
+    for f in paths:
+        by_type.setdefault(task_type_of(f.parent.parent.name), []).append(f)
+    queues = [by_type[t] for t in sorted(by_type, key=lambda t: TASK_TYPES.index(t) if t in TASK_TYPES else len(TASK_TYPES))]
+    out = []
+    for i in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
 def scan_split(root: Path, split: str, task_types: Iterable[str] = (), limit: int | None = None) -> Discovery:
-    """Games of a split, filtered by task type and by solvable; corrupt files are listed, not raised."""
+    """Games of a split, filtered by task type and by solvable; corrupt files are listed, not raised.
+
+    Order: round-robin over task types, each type sorted by path (deterministic).
+    """
     wanted = {check_task_type(t) for t in task_types} or set(TASK_TYPES)
+    paths = [f for f in iter_game_files(root, split) if task_type_of(f.parent.parent.name) in wanted]
     out = Discovery([], [], [])
-    for f in iter_game_files(root, split):
+    for f in interleave_by_type(paths):
         if limit is not None and len(out.games) >= limit:
             break
-        if task_type_of(f.parent.parent.name) not in wanted:
-            continue
         try:
             out.games.append(read_game(f, split))
         except NotSolvable:
@@ -128,7 +142,7 @@ def discover_games(
     task_types: Iterable[str] = (),
     limit: int | None = None,
 ) -> list[Game]:
-    """Solvable games of `split` (sorted by path), optionally of some task types, at most `limit`."""
+    """Solvable games of `split` (task types interleaved), optionally of some types, at most `limit`."""
     root = resolve_data_root(data)
     found = scan_split(root, split, task_types, limit)
     if not found.games:

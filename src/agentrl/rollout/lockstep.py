@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
 from agentrl.env.data import Game
-from agentrl.prompt import ChatRenderer, system_message
+from agentrl.prompt import ChatRenderer, episode_messages
 from agentrl.rollout.trajectory import Step, Trajectory
 from agentrl.sampling.base import Sampler, SamplingParams
 
@@ -47,8 +47,8 @@ class ModelPolicy:
         self._stopped: dict[int, bool] = {}
 
     def start(self, traj: Trajectory) -> None:
-        system = system_message(traj.game.task_type, self.prompt_dir)
-        traj.append(self.renderer.initial(system, traj.initial_observation), generated=False)
+        messages = episode_messages(traj.game.task_type, traj.initial_observation, self.prompt_dir)
+        traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
         seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
