@@ -63,3 +63,26 @@ def test_shipped_configs_load():
     assert configs, "configs/ is empty"
     for p in configs:
         assert isinstance(load_config(p), Config)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"rollout.gate": "10"}, "malformed gate '10'"),
+        ({"rollout.gate": "0,0.1"}, "K must be >= 1"),
+        ({"rollout.gate": "10,1.2"}, r"d_L must be in \[0, 1\]"),
+        ({"rollout.gate": "40,0.1"}, "beyond T_max=30"),
+        ({"rollout.group_size": 1}, "group_size must be >= 2"),
+        ({"rollout.gate": "off", "rollout.gate_or_tau": 0.9}, "needs a gate"),
+    ],
+)
+def test_bad_rollout_settings(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+def test_gate_default_is_the_paper_operating_point():
+    from agentrl.rollout.gate import Gate
+
+    assert load_config().rollout.parsed_gate() == Gate(10, 0.12)
+    assert load_config(None, {"rollout.gate": "off"}).rollout.parsed_gate() is None

@@ -44,7 +44,8 @@ def test_corrupt_game_marks_only_its_trajectory(tmp_path, games):
     broken.parent.mkdir(parents=True)
     broken.write_text(json.dumps(data | {"pddl_problem": "(define (problem broken"}))
     bad_game = read_game(broken, "valid_seen")
-    trajs, stats = run_lockstep([bad_game, good], WalkthroughPolicy(), max_steps=30)
+    rollout = run_lockstep([bad_game, good], WalkthroughPolicy(), max_steps=30)
+    trajs, stats = rollout.trajectories, rollout.stats
     assert trajs[0].stop_reason == "env_error" and str(broken) in trajs[0].error
     assert trajs[1].won
     assert stats.env_steps == len(good.walkthrough)
@@ -58,7 +59,8 @@ def test_max_steps_counts_invalid_actions(games):
         def act(self, trajs): return ["Thought: hmm" for _ in trajs]
         def observe(self, traj, obs): ...
 
-    (traj,), stats = run_lockstep([game], Babbler(), max_steps=4)
+    rollout = run_lockstep([game], Babbler(), max_steps=4)
+    (traj,) = rollout.trajectories
     assert traj.stop_reason == "max_steps" and len(traj.steps) == 4
     assert traj.invalid_actions == 4 and not traj.won
     assert all(s.observation == NOTHING_HAPPENS for s in traj.steps)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("split", SPLITS)
 def test_walkthrough_wins_a_sample_of_each_split(split, data_root):
     sample = [discover_games(split, data_root, [t], limit=2)[-1] for t in TASK_TYPES]
-    trajs, stats = run_lockstep(sample, WalkthroughPolicy(), max_steps=30)
+    rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=30)
+    trajs, stats = rollout.trajectories, rollout.stats
     assert [t.stop_reason for t in trajs] == ["won"] * len(sample)
     assert all(t.invalid_actions == 0 for t in trajs)
     assert stats.env_steps == sum(len(g.walkthrough) for g in sample)
@@ -51,7 +52,8 @@ def test_model_policy_tokens_are_exact(default_model_dir, data_root):
     cfg = load_config(None, {"sampling.max_new_tokens": 32})
     policy = build_policy(cfg)
     game = discover_games("valid_seen", data_root, ["pick_and_place_simple"], limit=1)[0]
-    (traj,), _ = run_lockstep([game], policy, max_steps=2)
+    rollout = run_lockstep([game], policy, max_steps=2)
+    (traj,) = rollout.trajectories
     tok = policy.sampler.tokenizer
     generated = [i for i, m in zip(traj.token_ids, traj.action_mask) if m]
     assert len(generated) == sum(traj.step_tokens) > 0

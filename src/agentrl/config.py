@@ -74,6 +74,22 @@ class EvalConfig:
 
 
 @dataclass
+class RolloutConfig:
+    split: str = "train"
+    tasks: int = 10  # B
+    group_size: int = 8  # G
+    max_steps: int | None = None  # None: env.max_steps
+    gate: str = "10,0.12"  # "K,d_L" or "off"
+    gate_or_tau: float | None = None  # OR-rule: also cut when termination_fraction >= tau_H
+    signal_steps: list[int] = field(default_factory=lambda: [5, 10, 15, 20])  # K rows of groups.csv
+
+    def parsed_gate(self):
+        from agentrl.rollout.gate import parse_gate
+
+        return parse_gate(self.gate, self.gate_or_tau)
+
+
+@dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -82,6 +98,7 @@ class Config:
     prompt: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def validate(self) -> "Config":
         checks = [
@@ -104,6 +121,20 @@ class Config:
                 raise UserError(message)
         for t in self.eval.task_types:
             check_task_type(t)
+        r = self.rollout
+        for ok, message in [
+            (r.split in SPLITS, f"unknown split {r.split!r}; choose one of {', '.join(SPLITS)}"),
+            (r.tasks >= 1, f"rollout.tasks must be >= 1, got {r.tasks}"),
+            (r.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares rollouts of a task), got {r.group_size}"),
+            (r.max_steps is None or r.max_steps >= 1, f"rollout.max_steps must be >= 1, got {r.max_steps}"),
+            (all(k >= 1 for k in r.signal_steps), f"rollout.signal_steps must be >= 1, got {r.signal_steps}"),
+        ]:
+            if not ok:
+                raise UserError(message)
+        gate = r.parsed_gate()
+        t_max = r.max_steps or self.env.max_steps
+        if gate is not None and gate.K > t_max:
+            raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
         return self
 
 

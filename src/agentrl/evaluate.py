@@ -79,7 +79,8 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
     if games is None or policy is None:
         games, policy = prepare_eval(cfg)
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
-    trajs, stats = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset)
+    rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset)
+    trajs, stats = rollout.trajectories, rollout.stats
     summary = summarize(trajs, stats, cfg)
     if out is not None:
         rows = [t.summary() | {"responses": [s.response for s in t.steps]} for t in trajs]

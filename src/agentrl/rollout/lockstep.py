@@ -1,8 +1,10 @@
 """Lockstep runner: every live trajectory takes step t together.
 
-Per step: ONE batched generate over all live trajectories (the policy's `act`), parse and
-map each action, step every env, append the observation. Finished trajectories leave the
-batch. An env that fails to load or step marks only its own trajectory (env_error).
+B tasks x G trajectories. Per step: ONE batched generate over every live trajectory of every
+group (the policy's `act`), parse and map each action, step every env, append the
+observation. Finished trajectories leave the batch. Right after step K the gate looks at
+each group's d_K and stops converged groups. An env that fails to load or step marks only
+its own trajectory (env_error).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages
+from agentrl.rollout.gate import Gate
+from agentrl.rollout.signals import compute_signals
 from agentrl.rollout.trajectory import Step, Trajectory
 from agentrl.sampling.base import Sampler, SamplingParams
 
@@ -81,46 +85,113 @@ class WalkthroughPolicy:
         pass
 
 
+@dataclass
+class Group:
+    """The G trajectories of one task, with the signals at each recorded K and the gate's verdict."""
+
+    game: Game
+    trajectories: list[Trajectory]
+    signals: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> the seven signals
+    cut: bool = False  # the gate stopped this group: excluded from advantages and loss
+    cut_step: int | None = None
+    generate_s: float = 0.0  # its share of each batched generate call (by generated tokens)
+    env_s: float = 0.0
+    wall_s: float = 0.0  # from rollout start until its last trajectory stopped
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def zero_variance(self) -> bool:
+        return len(set(self.rewards)) <= 1
+
+    @property
+    def step_tokens(self) -> int:
+        return sum(sum(t.step_tokens) for t in self.trajectories)
+
+    @property
+    def env_steps(self) -> int:
+        return sum(len(t.steps) for t in self.trajectories)
+
+    @property
+    def cost_s(self) -> float:
+        """Rollout seconds attributable to this group (generate share + its env work)."""
+        return self.generate_s + self.env_s
+
+
+@dataclass
+class Rollout:
+    groups: list[Group]
+    stats: RolloutStats
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+
+def action_symbol(step: Step) -> str:
+    """One symbol of the edit distance: the admissible command, or the invalid text marked as such."""
+    return step.command if step.command is not None else f"invalid:{step.action or ''}"
+
+
+def group_signals(group: Group, K: int) -> dict[str, float]:
+    """The seven signals from the state of the group's trajectories at step K."""
+    trajs = group.trajectories
+    actions = [[action_symbol(s) for s in t.steps[:K]] for t in trajs]
+    observations = [t.steps[min(K, len(t.steps)) - 1].observation if t.steps else t.initial_observation for t in trajs]
+    finished = [t.done and len(t.steps) <= K and t.stop_reason != "gate_cut" for t in trajs]
+    return compute_signals(actions, observations, finished)
+
+
 def run_lockstep(
     games: list[Game],
     policy,
     max_steps: int,
     fuzzy_threshold: float = 85.0,
     group_size: int = 1,
+    gate: Gate | None = None,
+    signal_steps: tuple[int, ...] = (),
     on_step: Callable[[int, list[Trajectory]], None] | None = None,
     on_reset: Callable[[int, int], None] | None = None,
-) -> tuple[list[Trajectory], RolloutStats]:
-    """Roll out `group_size` trajectories per game, all in lockstep; return them and the accounting."""
+) -> Rollout:
+    """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K."""
     stats = RolloutStats()
     wall = time.perf_counter()
-    trajs = [Trajectory(game=g, index=i) for g in games for i in range(group_size)]
+    groups = [Group(g, [Trajectory(game=g, index=i) for i in range(group_size)]) for g in games]
+    trajs = [t for grp in groups for t in grp.trajectories]
+    group_of = [grp for grp in groups for _ in grp.trajectories]
     envs: dict[int, AlfworldEnv] = {}
-    t0 = time.perf_counter()
     for k, traj in enumerate(trajs):
+        t0 = time.perf_counter()
         try:
             env = AlfworldEnv(traj.game)
             first = env.reset()
         except GameLoadError as e:
             traj.stop_reason, traj.error = "env_error", str(e)
             log.warning("%s", e)
-            continue
-        envs[k] = env
-        traj.initial_observation, traj.admissible = first.observation, first.admissible
-        policy.start(traj)
+        else:
+            envs[k] = env
+            traj.initial_observation, traj.admissible = first.observation, first.admissible
+            policy.start(traj)
+        group_of[k].env_s += time.perf_counter() - t0
         if on_reset is not None:
             on_reset(k + 1, len(trajs))
-    stats.env_s += time.perf_counter() - t0
+    stats.env_s += time.perf_counter() - wall
 
-    for step in range(max_steps):
+    for step in range(1, max_steps + 1):
         live = [k for k, t in enumerate(trajs) if not t.done]
         if not live:
             break
         t0 = time.perf_counter()
         responses = policy.act([trajs[k] for k in live])
-        stats.generate_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        spent = time.perf_counter() - t0
+        stats.generate_s += spent
+        made = [trajs[k].step_tokens[-1] if len(trajs[k].step_tokens) == step else 0 for k in live]
+        for k, n in zip(live, made):  # share the batched call's time by generated tokens
+            group_of[k].generate_s += spent * (n / sum(made) if sum(made) else 1 / len(live))
         for k, response in zip(live, responses):
-            traj = trajs[k]
+            traj, t0 = trajs[k], time.perf_counter()
             action = parse_action(response)
             command, score = map_action(action, traj.admissible, fuzzy_threshold)
             try:
@@ -137,14 +208,36 @@ def run_lockstep(
                 traj.stop_reason = "max_steps"
             else:
                 policy.observe(traj, result.observation)
-        stats.env_s += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            stats.env_s += spent
+            group_of[k].env_s += spent
+        for grp in groups:
+            if grp.cut:
+                continue
+            if step in signal_steps or (gate is not None and step == gate.K):
+                grp.signals[step] = group_signals(grp, step)
+            still_running = [t for t in grp.trajectories if not t.done]
+            # a group that already finished has nothing left to save: the gate leaves it alone
+            if gate is not None and step == gate.K and still_running and gate.fires(grp.signals[step]):
+                grp.cut, grp.cut_step = True, step
+                for t in still_running:
+                    t.stop_reason = "gate_cut"
+        now = time.perf_counter() - wall
+        for grp in groups:
+            if not grp.wall_s and all(t.done for t in grp.trajectories):
+                grp.wall_s = now
         if on_step is not None:
-            on_step(step + 1, trajs)
+            on_step(step, trajs)
     for traj in trajs:
-        if traj.stop_reason is None:  # max_steps == 0 or every remaining one ran out
+        if traj.stop_reason is None:  # max_steps == 0
             traj.stop_reason = "max_steps"
+    for grp in groups:  # groups that all finished before some K: signals of their final state
+        for K in signal_steps:
+            if K not in grp.signals and not grp.cut:
+                grp.signals[K] = group_signals(grp, K)
+        grp.wall_s = grp.wall_s or time.perf_counter() - wall
     for env in envs.values():
         env.close()
     stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
     stats.wall_s = time.perf_counter() - wall
-    return trajs, stats
+    return Rollout(groups, stats)

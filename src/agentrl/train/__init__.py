@@ -1,0 +1,1 @@
+"""Training: advantage estimators (the learner and loop arrive with the trainer issue)."""

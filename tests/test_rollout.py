@@ -1,0 +1,114 @@
+"""Group rollouts + gate on real games, driven by scripted policies (no model needed)."""
+
+from agentrl.rollout import Gate, run_lockstep
+from agentrl.rollout.lockstep import action_symbol
+
+
+class Scripted:
+    """Trajectory i of every group plays script(game, i)[step]; records each batched call."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, []
+
+    def start(self, traj): ...
+
+    def act(self, trajs):
+        self.calls.append([(t.game.game_id, t.index) for t in trajs])
+        return [f"Thought: scripted\nAction: {self.script(t, len(t.steps))}" for t in trajs]
+
+    def observe(self, traj, obs): ...
+
+
+def look_everyone(traj, step):
+    return "look"
+
+
+def wander(traj, step):
+    """Each trajectory index visits a different receptacle sequence: prefixes diverge."""
+    gotos = sorted(c for c in traj.admissible if c.startswith("go to ")) or ["look"]
+    return gotos[(traj.index * 3 + step) % len(gotos)]
+
+
+def test_converged_group_is_cut_at_K(games):
+    policy = Scripted(look_everyone)
+    rollout = run_lockstep([games["pick_and_place_simple"]], policy, max_steps=6, group_size=4,
+                           gate=Gate(2, 0.12), signal_steps=(1, 2, 4))
+    (group,) = rollout.groups
+    assert group.cut and group.cut_step == 2
+    assert group.signals[2]["prefix_edit_distance_mean"] == 0.0
+    assert 4 not in group.signals  # no signals after the cut
+    assert all(t.stop_reason == "gate_cut" and len(t.steps) == 2 for t in group.trajectories)
+    assert len(policy.calls) == 2
+
+
+def test_only_converged_groups_are_cut_and_groups_share_each_generate_call(games):
+    def script(traj, step):
+        return "look" if traj.game.task_type == "pick_and_place_simple" else wander(traj, step)
+
+    policy = Scripted(script)
+    rollout = run_lockstep([games["pick_and_place_simple"], games["pick_two_obj_and_place"]], policy,
+                           max_steps=5, group_size=3, gate=Gate(2, 0.12), signal_steps=(2, 5))
+    converged, diverse = rollout.groups
+    assert converged.cut and not diverse.cut
+    assert diverse.signals[2]["prefix_edit_distance_mean"] > 0.12 and 5 in diverse.signals
+    assert all(t.stop_reason == "max_steps" and len(t.steps) == 5 for t in diverse.trajectories)
+    # lockstep: steps 1-2 batch all 6 trajectories of both groups in one call; then only the survivors
+    assert [len(c) for c in policy.calls] == [6, 6, 3, 3, 3]
+    assert rollout.stats.env_steps == 3 * 2 + 3 * 5
+    assert converged.env_steps == 6 and diverse.env_steps == 15
+
+
+def test_gate_off_never_cuts_and_same_seed_prefixes_match(games):
+    game = games["pick_and_place_simple"]
+    base = run_lockstep([game], Scripted(look_everyone), max_steps=4, group_size=3, signal_steps=(2,))
+    gated = run_lockstep([game], Scripted(look_everyone), max_steps=4, group_size=3, gate=Gate(2, 0.5))
+    assert not base.groups[0].cut and gated.groups[0].cut
+    for a, b in zip(base.trajectories, gated.trajectories):
+        assert [action_symbol(s) for s in a.steps[:2]] == [action_symbol(s) for s in b.steps[:2]]
+        assert [s.observation for s in a.steps[:2]] == [s.observation for s in b.steps[:2]]
+
+
+def test_trajectories_that_won_before_K_count_as_finished(games):
+    won_early = games["look_at_obj_in_light"]  # walkthrough: 3 steps
+    running = games["pick_two_obj_and_place"]
+
+    def script(traj, step):
+        w = traj.game.walkthrough
+        return w[step] if traj.game is won_early else "look"
+
+    rollout = run_lockstep([won_early, running], Scripted(script), max_steps=8, group_size=3,
+                           gate=Gate(5, 0.12), signal_steps=(5,))
+    done, live = rollout.groups
+    assert done.signals[5]["termination_fraction"] == 1.0 and done.signals[5]["prefix_edit_distance_mean"] == 0.0
+    assert not done.cut  # finished before K: nothing to save, the gate leaves it (and its wins) alone
+    assert all(t.stop_reason == "won" for t in done.trajectories) and done.zero_variance
+    assert live.cut and live.signals[5]["termination_fraction"] == 0.0
+
+
+def test_cut_groups_never_reach_the_advantage(games):
+    from agentrl.train.advantage import batch_advantages
+
+    def script(traj, step):
+        return "look" if traj.game.task_type == "pick_and_place_simple" else wander(traj, step)
+
+    rollout = run_lockstep([games["pick_and_place_simple"], games["pick_two_obj_and_place"]], Scripted(script),
+                           max_steps=3, group_size=2, gate=Gate(2, 0.12))
+    converged, diverse = rollout.groups
+    assert converged.cut and not diverse.cut
+    batch = batch_advantages(rollout.groups)
+    assert {id(t) for t, _ in batch} == {id(t) for t in diverse.trajectories}
+    assert batch_advantages(rollout.groups, dapo_filter=True) == []  # the survivor is all-fail: zero variance
+
+
+def test_group_advantages_eq1():
+    import numpy as np
+    import pytest
+
+    from agentrl.train.advantage import group_advantages
+
+    r = [1, 0, 0, 1, 1, 0, 0, 0]
+    a = group_advantages(r)
+    assert a.mean() == pytest.approx(0) and a.std() == pytest.approx(1, abs=1e-5)
+    assert np.all(group_advantages([1, 1, 1]) == 0)
+    assert group_advantages([1, 0, 0], "rloo").tolist() == [1.0, -0.5, -0.5]
+    assert group_advantages([1, 0], "dr_grpo").tolist() == [0.5, -0.5]
