@@ -86,3 +86,39 @@ def test_prompt_examples_replay_to_a_win_in_the_engine(data_root):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "6/6 example files pass" in proc.stdout
+
+
+def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
+    """A tiny `rollout --tier1-ab`: both arms written, same seed -> identical first K steps."""
+    import csv
+
+    from agentrl.rollout import SIGNALS
+
+    out = tmp_path / "t1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", "--tier1-ab", "--split", "valid_seen", "--tasks", "2", "-G", "2",
+         "--max-steps", "5", "--gate", "2,0.6", "--max-new-tokens", "32", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "tier1.json").read_text())
+    assert report["tasks"] == 2 and report["gate"] == "2,0.6"
+    assert report["baseline"]["groups_cut"] == 0
+    assert len(report["wall_saving_ci95"]) == 2 and "Tier 1 A/B" in (out / "tier1.md").read_text()
+    arms = {arm: [json.loads(line) for line in (out / arm / "trajectories.jsonl").read_text().splitlines()]
+            for arm in ("baseline", "gated")}
+    assert len(arms["baseline"]) == len(arms["gated"]) == 4
+    for b, g in zip(arms["baseline"], arms["gated"]):
+        assert (b["task_id"], b["trajectory"]) == (g["task_id"], g["trajectory"])
+        assert b["step_records"][:2] == g["step_records"][:2]  # same seed: identical first K=2 steps
+        first_k = sum(b["step_tokens"][:2])
+        assert len(b["token_ids"]) == len(b["action_mask"]) == len(b["logprobs"])
+        gen_b = [t for t, m in zip(b["token_ids"], b["action_mask"]) if m][:first_k]
+        gen_g = [t for t, m in zip(g["token_ids"], g["action_mask"]) if m][:first_k]
+        assert gen_b == gen_g
+        if g["group_cut"]:
+            assert g["stop_reason"] in ("gate_cut", "won") and g["steps"] <= 2
+    rows = list(csv.DictReader((out / "baseline" / "groups.csv").open()))
+    assert rows and set(["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"]) <= set(rows[0])
+    assert {int(r["K"]) for r in rows} == {5}  # K rows beyond T_max are not written
+    assert {r["task_id"] for r in rows} == {b["task_id"] for b in arms["baseline"]}

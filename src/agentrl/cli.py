@@ -119,6 +119,134 @@ def print_summary(s: dict) -> None:
         err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")
 
 
+# ---------------------------------------------------------------- rollout
+@app.command("rollout")
+def rollout_cmd(
+    split: Annotated[Optional[str], typer.Option(help=f"One of {', '.join(SPLITS)} (default train).")] = None,
+    tasks: Annotated[Optional[int], typer.Option(help="B: number of tasks (groups).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", "-G", help="G: trajectories per task.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="T_max (default 30).")] = None,
+    gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12) or off.")] = None,
+    gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
+    tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Token budget of one reply.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")] = None,
+    adapter: Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")] = None,
+    sampler: Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Run seed (same seed -> same first K steps in both arms).")] = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<time>).")] = None,
+) -> None:
+    """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
+    from agentrl.collect import load_games, make_policy, roll, run_tier1, tier1_markdown, write_rollout
+    from agentrl.io import atomic_write_json, atomic_write_text
+
+    cfg = load_config(config, {
+        "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
+        "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
+        "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
+        "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
+    })
+    the_gate = cfg.rollout.parsed_gate()
+    if tier1_ab and the_gate is None:
+        raise UserError("--tier1-ab compares no gate with a gate: give --gate K,d_L")
+    out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
+    with err.status("loading model"):
+        games = load_games(cfg)
+        policy = make_policy(cfg)
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err,
+    ) as bar:
+        def progress(name: str):
+            task = bar.add_task(name, total=t_max, info="loading games")
+
+            def on_reset(k: int, n: int) -> None:
+                bar.update(task, info=f"loading games {k}/{n}")
+
+            def on_step(step: int, trajs) -> None:
+                live = sum(not t.done for t in trajs)
+                cut = sum(t.stop_reason == "gate_cut" for t in trajs)
+                bar.update(task, completed=step, info=f"live {live}  cut {cut}  won {sum(t.won for t in trajs)}/{len(trajs)}")
+
+            return on_step, on_reset
+
+        if tier1_ab:
+            result = run_tier1(cfg, games, policy, the_gate, progress)
+            for name, r in (("baseline", result.baseline), ("gated", result.gated)):
+                write_rollout(r, out / name, cfg.rollout.signal_steps)
+            atomic_write_json(out / "tier1.json", result.report)
+            atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
+        else:
+            rollout = roll(cfg, games, policy, the_gate, *progress("rollout"))
+            write_rollout(rollout, out, cfg.rollout.signal_steps)
+    if tier1_ab:
+        console.print(tier1_markdown(result.report))
+        console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")
+    else:
+        print_rollout(rollout, the_gate)
+        console.print(f"wrote {out / 'trajectories.jsonl'} and {out / 'groups.csv'}")
+
+
+def print_rollout(rollout, gate) -> None:
+    table = Table(title=f"rollout · gate {gate or 'off'}")
+    for col in ("task", "type", "rewards", "cut", "d_K", "steps", "step-tokens", "time (s)"):
+        table.add_column(col, justify="left" if col in ("task", "type", "rewards") else "right")
+    for g in rollout.groups:
+        d = g.signals.get(gate.K if gate else 10, {}).get("prefix_edit_distance_mean")
+        table.add_row(g.game.game_id.split("/")[0][:40], g.game.task_type[:22], "".join(f"{r:.0f}" for r in g.rewards),
+                      f"at {g.cut_step}" if g.cut else "", "" if d is None else f"{d:.3f}", str(g.env_steps),
+                      str(g.step_tokens), f"{g.cost_s:.1f}")
+    console.print(table)
+    s = rollout.stats
+    console.print(f"wall {s.wall_s:.1f}s (generate {s.generate_s:.1f}s, env {s.env_s:.1f}s) · {s.env_steps} env steps · "
+                  f"{s.step_tokens} step-tokens · {sum(g.cut for g in rollout.groups)}/{len(rollout.groups)} groups cut")
+
+
+# ---------------------------------------------------------------- analyze
+@app.command("analyze")
+def analyze_cmd(
+    groups_csv: Annotated[Path, typer.Argument(help="A groups table (groups.csv from `agentrl rollout`, or the same columns).")],
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/analysis"),
+    t_max: Annotated[int, typer.Option("--t-max", help="T_max of the rollouts behind the table.")] = 30,
+    precision_floor: Annotated[float, typer.Option(help="Pick the operating point with at least this cut precision.")] = 0.8,
+    d_l: Annotated[Optional[float], typer.Option("--d-l", help="d_L for calibration/bootstrap (default: the operating point's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random-cut baseline and the bootstrap.")] = 0,
+) -> None:
+    """Spearman/AUROC of the seven signals, the d_L sweep, calibration, per-type AUROC, bootstrap CIs, figures."""
+    from agentrl.analysis.gate import analyze
+
+    if not 0 <= precision_floor <= 1:
+        raise UserError(f"--precision-floor must be in [0, 1], got {precision_floor}")
+    if d_l is not None and not 0 <= d_l <= 1:
+        raise UserError(f"--d-l must be in [0, 1], got {d_l}")
+    a = analyze(groups_csv, out, t_max=t_max, precision_floor=precision_floor, seed=seed, d_L=d_l)
+    table = Table(title=f"signals vs learning signal · {groups_csv}")
+    for col in ("K", "groups", "informative", "AUROC d_K", "ρ d_K", "best other signal (AUROC)"):
+        table.add_column(col, justify="right" if col != "best other signal (AUROC)" else "left")
+    for K in sorted({r["K"] for r in a.correlation}):
+        rows = [r for r in a.correlation if r["K"] == K]
+        d = next(r for r in rows if r["metric"] == "prefix_edit_distance_mean")
+        others = [r for r in rows if r["metric"] != "prefix_edit_distance_mean" and r["auroc"] == r["auroc"]]
+        best = max(others, key=lambda r: abs(r["auroc"] - 0.5), default=None)
+        informative = sum(r["informative"] for r in a.by_type if r["K"] == K)
+        table.add_row(str(K), str(d["N"]), str(informative), f"{d['auroc']:.3f}", f"{d['spearman_rho']:.3f}",
+                      f"{best['metric']} ({best['auroc']:.3f})" if best else "")
+    console.print(table)
+    if a.operating:
+        o = a.operating
+        console.print(f"operating point (precision >= {precision_floor:g}): K={o['K']}, d_L={o['d_L']:g}: cut {o['cut']}/{o['N']}, "
+                      f"precision {o['precision']:.2f}, recall {o['recall']:.2f}, safe saving {o['safe_pct']:.1f}% "
+                      f"(raw {o['raw_pct']:.1f}%), advantage norm kept {o['adv_l2_kept']:.3f}")
+    else:
+        console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
+    console.print(f"wrote correlation.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "
+                  f"operating_point.json and {len(a.figures)} figures to {out}")
+
+
 # ---------------------------------------------------------------- model
 @model_app.command("prepare")
 def model_prepare(

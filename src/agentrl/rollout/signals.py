@@ -56,7 +56,7 @@ def compute_signals(actions: list[list[str]], observations: list[str], finished:
         "action_bigram_jaccard_mean": sum(bigram_distance(a, b) for a, b in pairs) / len(pairs) if pairs else 0.0,
         "unique_prefix_ratio": len({tuple(a) for a in actions}) / g,
         "unique_action_ratio": len(counts) / g,
-        "action_entropy": entropy / math.log(g) if g > 1 else 0.0,
+        "action_entropy": max(0.0, entropy / math.log(g)) if g > 1 else 0.0,
         "obs_unique_ratio": len(set(observations)) / g,
         "termination_fraction": sum(bool(f) for f in finished) / g,
     }

@@ -1,0 +1,1 @@
+"""Offline analysis: gate statistics, tier reports, figures."""

@@ -1,0 +1,286 @@
+"""Offline analysis of a groups table (groups.csv): how well each signal at step K predicts
+whether a group carries learning signal, and what the gate CUT_{K,d_L} would save.
+
+A group is *informative* (positive class) when its G final rewards are not all equal
+(non-zero variance); a correct cut removes a zero-variance group. Works on any table with
+the groups.csv columns, so tables produced elsewhere can be analysed too.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as sps
+
+from agentrl.errors import UserError
+from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.rollout.signals import SIGNALS
+from agentrl.train.advantage import group_advantages
+
+REQUIRED = ("task_id", "task_type", "K", *SIGNALS, "rewards")
+D_L_GRID = tuple(round(x, 2) for x in np.arange(0.02, 0.601, 0.02))
+SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct", "adv_l2_kept"]
+
+
+@dataclass
+class Table:
+    K: np.ndarray  # [N]
+    signals: dict[str, np.ndarray]  # name -> [N]
+    rewards: list[np.ndarray]
+    task_id: list[str]
+    task_type: list[str]
+
+    @property
+    def variance(self) -> np.ndarray:
+        return np.array([r.var() for r in self.rewards])
+
+    @property
+    def informative(self) -> np.ndarray:
+        return self.variance > 0
+
+    def at(self, K: int) -> "Table":
+        m = self.K == K
+        idx = np.flatnonzero(m)
+        return Table(self.K[m], {k: v[m] for k, v in self.signals.items()}, [self.rewards[i] for i in idx],
+                     [self.task_id[i] for i in idx], [self.task_type[i] for i in idx])
+
+
+def read_groups(path: Path) -> Table:
+    """Parse and validate groups.csv; every problem is a one-line UserError naming the line."""
+    if not path.is_file():
+        raise UserError(f"groups table not found: {path}")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
+        if missing:
+            raise UserError(f"{path}: missing columns {', '.join(missing)} (need {', '.join(REQUIRED)})")
+        K, sig, rewards, ids, types = [], {s: [] for s in SIGNALS}, [], [], []
+        for line, row in enumerate(reader, start=2):
+            try:
+                K.append(int(row["K"]))
+                for s in SIGNALS:
+                    sig[s].append(float(row[s]))
+                r = np.array([float(x) for x in row["rewards"].split(";")])
+            except (TypeError, ValueError) as e:
+                raise UserError(f"{path}:{line}: bad value ({e})") from None
+            if len(r) < 2:
+                raise UserError(f"{path}:{line}: a group needs at least 2 rewards, got {row['rewards']!r}")
+            rewards.append(r)
+            ids.append(row["task_id"])
+            types.append(row["task_type"])
+    if not K:
+        raise UserError(f"{path}: no rows")
+    return Table(np.array(K), {s: np.array(v) for s, v in sig.items()}, rewards, ids, types)
+
+
+def auroc(score: np.ndarray, positive: np.ndarray) -> float:
+    """P(score of a random positive > score of a random negative), ties half (Mann-Whitney U)."""
+    pos, neg = score[positive], score[~positive]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    return float(sps.mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg)))
+
+
+def correlation(t: Table) -> list[dict]:
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        var, pos = sub.variance, sub.informative
+        for name in SIGNALS:
+            x = sub.signals[name]
+            if np.ptp(x) == 0 or np.ptp(var) == 0:
+                rho, p = float("nan"), float("nan")
+            else:
+                res = sps.spearmanr(x, var)
+                rho, p = float(res.statistic), float(res.pvalue)
+            rows.append({"K": K, "metric": name, "spearman_rho": rho, "p_value": p, "auroc": auroc(x, pos), "N": len(x)})
+    return rows
+
+
+def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict:
+    zero = ~sub.informative
+    n = len(cut)
+    tp, fp = int(np.sum(cut & zero)), int(np.sum(cut & ~zero))
+    a_full = np.concatenate([group_advantages(r) for r in sub.rewards])
+    a_kept = np.concatenate([group_advantages(r) for r, c in zip(sub.rewards, cut) if not c] or [np.zeros(0)])
+    full = np.linalg.norm(a_full)
+    saved = max(t_max - K, 0) / (n * t_max) * 100
+    return {
+        "K": K, "d_L": d_L, "N": n, "cut": int(cut.sum()), "TP": tp, "FP": fp,
+        "precision": tp / cut.sum() if cut.sum() else float("nan"),
+        "recall": tp / zero.sum() if zero.sum() else float("nan"),
+        "safe_pct": tp * saved, "raw_pct": int(cut.sum()) * saved,
+        "adv_l2_kept": float(np.linalg.norm(a_kept) / full) if full > 0 else float("nan"),
+    }
+
+
+def gate_sweep(t: Table, t_max: int, grid=D_L_GRID) -> list[dict]:
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        d = sub.signals["prefix_edit_distance_mean"]
+        rows.extend(cut_row(sub, d < d_L, K, d_L, t_max) for d_L in grid)
+    return rows
+
+
+def operating_point(sweep: list[dict], precision_floor: float) -> dict | None:
+    """The (K, d_L) with the largest safe saving among cuts at or above the precision floor."""
+    ok = [r for r in sweep if r["cut"] > 0 and r["precision"] >= precision_floor]
+    return max(ok, key=lambda r: (r["safe_pct"], -r["K"], -r["d_L"])) if ok else None
+
+
+def calibration(t: Table, t_max: int, d_L: float, seed: int, repeats: int = 200) -> list[dict]:
+    """The gate vs a random cut of the same size (seeded, averaged) vs the oracle (cut iff zero-variance)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        gate = sub.signals["prefix_edit_distance_mean"] < d_L
+        rows.append({"method": "gate"} | cut_row(sub, gate, K, d_L, t_max))
+        draws = []
+        for _ in range(repeats):
+            cut = np.zeros(len(gate), bool)
+            cut[rng.choice(len(gate), size=int(gate.sum()), replace=False)] = True
+            draws.append(cut_row(sub, cut, K, d_L, t_max))
+        rows.append({"method": "random"} | {c: _mean([r[c] for r in draws]) for c in SWEEP_COLUMNS})
+        rows.append({"method": "oracle"} | cut_row(sub, ~sub.informative, K, d_L, t_max))
+    return rows
+
+
+def _mean(values) -> float:
+    v = np.array(values, dtype=float)
+    return float("nan") if np.isnan(v).all() else float(np.nanmean(v))
+
+
+def by_task_type(t: Table) -> list[dict]:
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        types = np.array(sub.task_type)
+        for tt in sorted(set(sub.task_type)):
+            m = types == tt
+            pos = sub.informative[m]
+            rows.append({"K": K, "task_type": tt, "N": int(m.sum()), "informative": int(pos.sum()),
+                         "auroc_d_K": auroc(sub.signals["prefix_edit_distance_mean"][m], pos)})
+    return rows
+
+
+def bootstrap(t: Table, t_max: int, d_L: float, seed: int, resamples: int = 1000) -> list[dict]:
+    """95% percentile CIs of the savings at d_L for each K, resampling groups (seeded)."""
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        cut = (sub.signals["prefix_edit_distance_mean"] < d_L).astype(float)
+        zero = (~sub.informative).astype(float)
+        saved = max(t_max - K, 0) / t_max * 100
+
+        def safe(c, z, axis=-1):
+            return np.mean(c * z, axis=axis) * saved
+
+        def raw(c, z, axis=-1):
+            return np.mean(c, axis=axis) * saved
+
+        for name, stat in (("safe_pct", safe), ("raw_pct", raw)):
+            est = float(stat(cut, zero))
+            lo = hi = float("nan")
+            if len(cut) >= 2 and np.ptp(cut * (zero if name == "safe_pct" else 1)) > 0:
+                res = sps.bootstrap((cut, zero), stat, paired=True, vectorized=True, n_resamples=resamples,
+                                    method="percentile", rng=np.random.default_rng(seed))
+                lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+            elif len(cut):
+                lo = hi = est  # no spread to resample
+            rows.append({"K": K, "d_L": d_L, "statistic": name, "estimate": est, "ci95_low": lo, "ci95_high": hi,
+                         "resamples": resamples})
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    import io
+
+    buf = io.StringIO()
+    if rows:
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+def figures(t: Table, corr: list[dict], out: Path, K: int, d_L: float) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ks = sorted(set(t.K.tolist()))
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, col, title in ((axes[0], "spearman_rho", "Spearman ρ vs reward variance"), (axes[1], "auroc", "AUROC (informative group)")):
+        m = np.array([[next(r[col] for r in corr if r["K"] == k and r["metric"] == s) for k in Ks] for s in SIGNALS])
+        im = ax.imshow(m, cmap="RdBu_r", vmin=-1 if col == "spearman_rho" else 0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(Ks)), [f"K={k}" for k in Ks])
+        ax.set_yticks(range(len(SIGNALS)), SIGNALS if ax is axes[0] else [""] * len(SIGNALS))
+        for i in range(m.shape[0]):
+            for j in range(m.shape[1]):
+                ax.text(j, i, "–" if np.isnan(m[i, j]) else f"{m[i, j]:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_title(title)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    paths.append(out / "signals_heatmap.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    sub = t.at(K) if K in Ks else t.at(Ks[0])
+    d, pos = sub.signals["prefix_edit_distance_mean"], sub.informative
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bins = np.linspace(0, 1, 26)
+    ax.hist(d[~pos], bins=bins, alpha=0.6, label=f"zero-variance (n={int((~pos).sum())})")
+    ax.hist(d[pos], bins=bins, alpha=0.6, label=f"informative (n={int(pos.sum())})")
+    ax.axvline(d_L, color="k", ls="--", label=f"d_L = {d_L:g}")
+    ax.set_xlabel(f"d_K at K={int(sub.K[0])}")
+    ax.set_ylabel("groups")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "d_K_histogram.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+@dataclass
+class Analysis:
+    correlation: list[dict]
+    sweep: list[dict]
+    operating: dict | None
+    calibration: list[dict]
+    by_type: list[dict]
+    bootstrap: list[dict]
+    figures: list[Path]
+
+
+def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,
+            d_L: float | None = None, figure_K: int = 10) -> Analysis:
+    t = read_groups(groups_csv)
+    if t_max < 1 or (t.K > t_max).any():
+        raise UserError(f"--t-max {t_max} is below the table's largest K ({int(t.K.max())})")
+    corr = correlation(t)
+    sweep = gate_sweep(t, t_max)
+    op = operating_point(sweep, precision_floor)
+    chosen = d_L if d_L is not None else (op["d_L"] if op else 0.12)
+    cal = calibration(t, t_max, chosen, seed)
+    types = by_task_type(t)
+    boot = bootstrap(t, t_max, chosen, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "correlation.csv", corr)
+    write_csv(out / "gate_sweep.csv", sweep)
+    write_csv(out / "calibration.csv", cal)
+    write_csv(out / "by_task_type.csv", types)
+    write_csv(out / "bootstrap.csv", boot)
+    atomic_write_json(out / "operating_point.json", {"precision_floor": precision_floor, "t_max": t_max, "point": op,
+                                                     "d_L_used_for_calibration": chosen})
+    figs = figures(t, corr, out, op["K"] if op else figure_K, chosen)
+    return Analysis(corr, sweep, op, cal, types, boot, figs)
+

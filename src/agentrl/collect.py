@@ -1,0 +1,179 @@
+"""`agentrl rollout`: B tasks x G trajectories with the gate; trajectories.jsonl + groups.csv.
+
+`--tier1-ab` (the paper's Tier 1): the same tasks twice with the same seeds, baseline (no
+gate) and gated, and the Table 3 analogue comparing the two arms.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as sps
+
+from agentrl.config import Config
+from agentrl.env.data import discover_games
+from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, run_lockstep
+from agentrl.sampling import make_sampler
+from agentrl.sampling.base import SamplingParams
+
+GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated", "step_tokens"]
+
+
+def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
+    params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
+    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir)
+
+
+def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None) -> Rollout:
+    r = cfg.rollout
+    t_max = r.max_steps or cfg.env.max_steps
+    return run_lockstep(
+        games, policy, t_max, cfg.env.fuzzy_threshold, group_size=r.group_size,
+        gate=gate, signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
+    )
+
+
+def groups_table(rollout: Rollout) -> list[dict]:
+    """One row per (group, K). A cut group has rows only up to its cut step (later prefixes do not exist)."""
+    rows = []
+    for g in rollout.groups:
+        for K in sorted(g.signals):
+            rows.append({
+                "task_id": g.game.game_id, "task_type": g.game.task_type, "K": K,
+                **{name: round(g.signals[K][name], 6) for name in SIGNALS},
+                "rewards": ";".join(f"{r:g}" for r in g.rewards), "cut": int(g.cut),
+                "steps_generated": g.env_steps, "step_tokens": g.step_tokens,
+            })
+    return rows
+
+
+def write_rollout(rollout: Rollout, out: Path, signal_steps) -> None:
+    lines = []
+    for g in rollout.groups:
+        for t in g.trajectories:
+            lines.append(json.dumps(t.record() | {"group_cut": g.cut, "group_cut_step": g.cut_step}))
+    atomic_write_text(out / "trajectories.jsonl", "\n".join(lines) + "\n")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=GROUP_COLUMNS)
+    writer.writeheader()
+    writer.writerows(r for r in groups_table(rollout) if r["K"] in set(signal_steps))
+    atomic_write_text(out / "groups.csv", buf.getvalue())
+    atomic_write_json(out / "summary.json", rollout_summary(rollout))
+
+
+def rollout_summary(rollout: Rollout) -> dict:
+    s, groups = rollout.stats, rollout.groups
+    return {
+        "groups": len(groups),
+        "trajectories": len(rollout.trajectories),
+        "groups_cut": sum(g.cut for g in groups),
+        "zero_variance_groups": sum(g.zero_variance for g in groups),
+        "success_rate": float(np.mean([t.reward for t in rollout.trajectories])),
+        "wall_s": s.wall_s, "generate_s": s.generate_s, "env_s": s.env_s,
+        "env_steps": s.env_steps, "step_tokens": s.step_tokens,
+        "per_group": [
+            {"task_id": g.game.game_id, "task_type": g.game.task_type, "rewards": g.rewards, "cut": g.cut,
+             "cut_step": g.cut_step, "env_steps": g.env_steps, "step_tokens": g.step_tokens,
+             "generate_s": g.generate_s, "env_s": g.env_s, "cost_s": g.cost_s, "wall_s": g.wall_s}
+            for g in groups
+        ],
+    }
+
+
+# ---------------------------------------------------------------- Tier 1 A/B
+@dataclass
+class Tier1:
+    baseline: Rollout
+    gated: Rollout
+    report: dict
+
+
+def tier1_report(baseline: Rollout, gated: Rollout, gate: Gate, seed: int, resamples: int = 1000) -> dict:
+    """Table 3 analogue. A cut is correct when the matched baseline group is zero-variance."""
+    pairs = list(zip(baseline.groups, gated.groups))
+    assert all(b.game.game_id == g.game.game_id for b, g in pairs)
+
+    def arm(r: Rollout) -> dict:
+        cost = [g.cost_s for g in r.groups]
+        return {
+            "wall_s": r.stats.wall_s, "task_cost_s_total": float(np.sum(cost)), "task_cost_s_mean": float(np.mean(cost)),
+            "step_tokens_total": r.stats.step_tokens, "step_tokens_mean": r.stats.step_tokens / len(r.groups),
+            "env_steps": r.stats.env_steps, "groups_cut": sum(g.cut for g in r.groups),
+            "success_rate": float(np.mean([t.reward for t in r.trajectories])),
+        }
+
+    base, gate_arm = arm(baseline), arm(gated)
+    cut = [(b, g) for b, g in pairs if g.cut]
+    correct = sum(b.zero_variance for b, _ in cut)
+    base_cost = np.array([b.cost_s for b, _ in pairs])
+    gated_cost = np.array([g.cost_s for _, g in pairs])
+
+    def saving(b, g, axis=-1):
+        return 1.0 - np.sum(g, axis=axis) / np.sum(b, axis=axis)
+
+    ci = (float("nan"), float("nan"))
+    if len(pairs) >= 2:
+        res = sps.bootstrap((base_cost, gated_cost), saving, paired=True, vectorized=True, n_resamples=resamples,
+                            confidence_level=0.95, method="percentile", rng=np.random.default_rng(seed))
+        ci = (float(res.confidence_interval.low), float(res.confidence_interval.high))
+    return {
+        "gate": str(gate), "tasks": len(pairs), "seed": seed,
+        "baseline": base, "gated": gate_arm,
+        "change": {
+            "wall_s": gate_arm["wall_s"] / base["wall_s"] - 1.0,
+            "task_cost_s": gate_arm["task_cost_s_total"] / base["task_cost_s_total"] - 1.0,
+            "step_tokens": gate_arm["step_tokens_total"] / max(1, base["step_tokens_total"]) - 1.0,
+        },
+        "groups_cut": len(cut),
+        "cuts_correct": correct,
+        "cut_precision": correct / len(cut) if cut else None,
+        "baseline_zero_variance_groups": sum(b.zero_variance for b, _ in pairs),
+        "wall_saving": float(saving(base_cost, gated_cost)),
+        "wall_saving_ci95": ci,
+        "bootstrap": {"resamples": resamples, "unit": "task", "statistic": "1 - sum(gated task cost) / sum(baseline task cost)"},
+    }
+
+
+def tier1_markdown(rep: dict) -> str:
+    b, g, c = rep["baseline"], rep["gated"], rep["change"]
+    lo, hi = rep["wall_saving_ci95"]
+    prec = "n/a (no cuts)" if rep["cut_precision"] is None else f"{100 * rep['cut_precision']:.1f}% ({rep['cuts_correct']}/{rep['groups_cut']})"
+    return "\n".join([
+        f"# Tier 1 A/B: gate {rep['gate']}, {rep['tasks']} tasks, seed {rep['seed']}",
+        "",
+        "| | baseline | gated | change |",
+        "| --- | ---: | ---: | ---: |",
+        f"| rollout wall-clock (s) | {b['wall_s']:.1f} | {g['wall_s']:.1f} | {100 * c['wall_s']:+.1f}% |",
+        f"| task rollout time, total (s) | {b['task_cost_s_total']:.1f} | {g['task_cost_s_total']:.1f} | {100 * c['task_cost_s']:+.1f}% |",
+        f"| task rollout time, mean per task (s) | {b['task_cost_s_mean']:.2f} | {g['task_cost_s_mean']:.2f} | |",
+        f"| step-tokens, total | {b['step_tokens_total']} | {g['step_tokens_total']} | {100 * c['step_tokens']:+.1f}% |",
+        f"| step-tokens, mean per task | {b['step_tokens_mean']:.0f} | {g['step_tokens_mean']:.0f} | |",
+        f"| env steps | {b['env_steps']} | {g['env_steps']} | |",
+        f"| success rate | {100 * b['success_rate']:.1f}% | {100 * g['success_rate']:.1f}% | |",
+        f"| groups cut | 0 | {rep['groups_cut']} | |",
+        "",
+        f"Cut precision (cut group zero-variance in the baseline arm): {prec}. "
+        f"Zero-variance groups in the baseline: {rep['baseline_zero_variance_groups']}/{rep['tasks']}.",
+        f"Task-time saving {100 * rep['wall_saving']:.1f}%, 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%] "
+        f"(percentile bootstrap, {rep['bootstrap']['resamples']} task resamples, seeded).",
+        "",
+    ])
+
+
+def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None) -> Tier1:
+    """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
+    policy.sampler.generate([policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids],
+                            SamplingParams(0.0, 1.0, 2))
+    baseline = roll(cfg, games, policy, None, *(progress("baseline") if progress else (None, None)))
+    gated = roll(cfg, games, policy, gate, *(progress("gated") if progress else (None, None)))
+    return Tier1(baseline, gated, tier1_report(baseline, gated, gate, cfg.seed))
+
+
+def load_games(cfg: Config):
+    return discover_games(cfg.rollout.split, cfg.data.root, limit=cfg.rollout.tasks)

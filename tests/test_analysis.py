@@ -1,0 +1,88 @@
+"""agentrl analyze on a synthetic groups table with known answers."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.analysis.gate import analyze, read_groups
+from agentrl.errors import UserError
+from agentrl.rollout.signals import SIGNALS
+
+# K=10, G=2: d_K separates perfectly; two zero-variance groups (d 0.0, 0.05), two informative (0.3, 0.5)
+GROUPS = [("t1", 0.0, "0;0"), ("t2", 0.05, "1;1"), ("t3", 0.3, "1;0"), ("t4", 0.5, "0;1")]
+
+
+def write_table(path, groups=GROUPS, K=10):
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
+        w.writeheader()
+        for i, (tid, d, rewards) in enumerate(groups):
+            row = {s: 0.5 for s in SIGNALS} | {"prefix_edit_distance_mean": d, "termination_fraction": 0.0}
+            w.writerow(row | {"task_id": tid, "task_type": "pick_and_place_simple" if i % 2 else "look_at_obj_in_light",
+                              "K": K, "rewards": rewards, "cut": 0, "steps_generated": 20})
+    return path
+
+
+def test_known_answers(tmp_path):
+    a = analyze(write_table(tmp_path / "g.csv"), tmp_path / "out", t_max=30, precision_floor=0.8)
+    d = next(r for r in a.correlation if r["metric"] == "prefix_edit_distance_mean")
+    assert d["auroc"] == 1.0 and d["spearman_rho"] == pytest.approx(0.894427, abs=1e-5)
+    const = next(r for r in a.correlation if r["metric"] == "unique_action_ratio")
+    assert const["auroc"] == 0.5 and const["spearman_rho"] != const["spearman_rho"]  # constant signal: rho undefined
+    at = {r["d_L"]: r for r in a.sweep}
+    assert (at[0.1]["cut"], at[0.1]["TP"], at[0.1]["FP"], at[0.1]["precision"], at[0.1]["recall"]) == (2, 2, 0, 1.0, 1.0)
+    assert at[0.1]["safe_pct"] == pytest.approx(100 * 2 * 20 / (4 * 30)) and at[0.1]["adv_l2_kept"] == pytest.approx(1.0)
+    assert (at[0.4]["cut"], at[0.4]["FP"]) == (3, 1) and at[0.4]["precision"] == pytest.approx(2 / 3)
+    assert at[0.4]["raw_pct"] == pytest.approx(50.0) and at[0.4]["adv_l2_kept"] == pytest.approx(2 ** -0.5, abs=1e-4)
+    assert (a.operating["K"], a.operating["d_L"]) == (10, 0.06)
+    cal = {r["method"]: r for r in a.calibration}
+    assert cal["oracle"]["cut"] == 2 and cal["oracle"]["precision"] == 1.0
+    assert cal["gate"]["precision"] == 1.0 and cal["random"]["cut"] == 2 and cal["random"]["precision"] < 1.0
+    assert {r["task_type"]: r["auroc_d_K"] for r in a.by_type} == {"look_at_obj_in_light": 1.0, "pick_and_place_simple": 1.0}
+    for name in ("correlation.csv", "gate_sweep.csv", "calibration.csv", "by_task_type.csv", "bootstrap.csv",
+                 "signals_heatmap.png", "d_K_histogram.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    op = json.loads((tmp_path / "out" / "operating_point.json").read_text())
+    assert op["point"]["d_L"] == 0.06
+    boot = {r["statistic"]: r for r in a.bootstrap}
+    assert boot["safe_pct"]["ci95_low"] <= boot["safe_pct"]["estimate"] <= boot["safe_pct"]["ci95_high"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("task_id,K\nx,1\n", "missing columns"),
+        (None, r"g.csv:3: bad value"),
+        ("", "missing columns"),
+    ],
+)
+def test_malformed_tables(tmp_path, text, message):
+    p = tmp_path / "g.csv"
+    if text is None:
+        write_table(p)
+        lines = p.read_text().splitlines()
+        lines[2] = lines[2].replace(",10,", ",ten,")
+        p.write_text("\n".join(lines) + "\n")
+    else:
+        p.write_text(text)
+    with pytest.raises(UserError, match=message):
+        read_groups(p)
+
+
+def test_cli_analyze_bad_table_is_one_line(tmp_path):
+    p = tmp_path / "g.csv"
+    p.write_text("task_id,K\nx,1\n")
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "analyze", str(p), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "missing columns" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_analyze_prints_the_operating_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "analyze", str(write_table(tmp_path / "g.csv")),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "operating point (precision >= 0.8): K=10, d_L=0.06" in proc.stdout
