@@ -34,5 +34,8 @@ test: model
 test-fast: model
 	$(BIN)/python -m pytest -q -m "not integration"
 
+bench: model
+	$(BIN)/python benchmarks/bench_rollout.py
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -109,3 +109,13 @@ def test_kv_reuse_across_turns_gives_the_same_samples(tiny_model, tokenizer, pro
         for a, b in zip(f0 + s0, f1 + s1):
             assert a.token_ids == b.token_ids
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    group = sampler.generate([prompts[1]] * 3 + [prompts[0]], params, seeds=[1, 2, 3, 4])
+    assert sampler.prefill_tokens == len(prompts[1]) + len(prompts[0])
+    alone = HFSampler(tiny_model, tokenizer).generate([prompts[1]], params, seeds=[2])
+    assert group[1].token_ids == alone[0].token_ids
+    assert group[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)

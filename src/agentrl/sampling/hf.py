@@ -102,29 +102,12 @@ class HFSampler:
         return 0, None
 
     def _generate_batch(self, prompts, params: SamplingParams, seeds, keys, previous) -> list[Completion]:
-        from transformers import DynamicCache
-
         n, device = len(prompts), self.device
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         reuse = [self._reusable(p, None if keys is None else keys[i], previous) for i, p in enumerate(prompts)]
-        cached = [c for c, _ in reuse]
-        width_c = max(cached)
-        deltas = [p[c:] for p, c in zip(prompts, cached)]
-        self.prefill_tokens += sum(len(d) for d in deltas)
-        self.reused_tokens += sum(cached)
-        width = max(len(d) for d in deltas)
-        # row layout: [pad, cached_i | pad, delta_i]; the mask hides the pads, positions are real
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width_c + width), dtype=torch.long)
-        positions = torch.zeros((n, width), dtype=torch.long)
-        for i, (d, c) in enumerate(zip(deltas, cached)):
-            input_ids[i, width - len(d) :] = torch.tensor(d)
-            attention[i, width_c - c : width_c] = 1
-            attention[i, width_c + width - len(d) :] = 1
-            positions[i, width - len(d) :] = torch.arange(c, c + len(d))
-        input_ids, attention, positions = input_ids.to(device), attention.to(device), positions.to(device)
-        cache = DynamicCache(ddp_cache_data=self._stack_kv(reuse, width_c)) if width_c else DynamicCache()
+        logits, cache, attention = self._prefill(prompts, reuse)
+        step_pos = torch.tensor([[len(p) - 1] for p in prompts], device=device)
         generators = None
         if not params.greedy:
             generators = [torch.Generator(device=device) for _ in range(n)]
@@ -135,12 +118,7 @@ class HFSampler:
         logps: list[list[float]] = [[] for _ in range(n)]
         reason = ["length"] * n
         active = list(range(n))  # original row index of each row still in the batch
-        step_ids, step_pos = input_ids, positions
         for _ in range(params.max_new_tokens):
-            logits = self.model(
-                input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1].float()
             raw_logp = torch.log_softmax(logits, dim=-1)
             chosen = self._choose(logits, params, [generators[i] for i in active] if generators else None)
             keep = []
@@ -167,8 +145,11 @@ class HFSampler:
                 attention, chosen, step_pos = attention[idx], chosen[idx], step_pos[idx]
                 active = [active[r] for r in keep_rows]
             attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            step_ids = chosen.view(-1, 1)
-            step_pos = step_pos[:, -1:] + 1
+            step_pos = step_pos + 1
+            logits = self.model(
+                input_ids=chosen.view(-1, 1), attention_mask=attention, position_ids=step_pos,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1].float()
         return [
             Completion(
                 prompt_ids=list(prompts[i]),
@@ -181,20 +162,57 @@ class HFSampler:
             for i in range(n)
         ]
 
-    @staticmethod
-    def _stack_kv(reuse, width_c: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Left-pad each row's stored per-layer (k, v) to width_c and stack them into a batch."""
-        template = next(kv for _, kv in reuse if kv is not None)
-        layers = []
-        for layer, (k0, v0) in enumerate(template):
-            k = k0.new_zeros((len(reuse), k0.shape[1], width_c, k0.shape[3]))
-            v = v0.new_zeros((len(reuse), v0.shape[1], width_c, v0.shape[3]))
-            for i, (c, kv) in enumerate(reuse):
-                if kv is not None:
-                    k[i, :, width_c - c :] = kv[layer][0][0]
-                    v[i, :, width_c - c :] = kv[layer][1][0]
-            layers.append((k, v))
-        return layers
+    def _prefill(self, prompts, reuse):
+        """Run each prompt's new tokens through the model, bucketed by (cached, new) lengths so no
+        compute is spent on padding; then stack the rows, left-padded, into one cache for decoding.
+        Returns (last-position logits [n, V], cache, attention mask [n, W])."""
+        from collections import defaultdict
+
+        from transformers import DynamicCache
+
+        device = self.device
+        buckets = defaultdict(list)
+        for i, (c, _) in enumerate(reuse):
+            buckets[(c, len(prompts[i]) - c)].append(i)
+        self.reused_tokens += sum(c for c, _ in reuse)
+        row_logits, row_kv = [None] * len(prompts), [None] * len(prompts)
+        for (c, m), bucket in buckets.items():
+            # identical prompts (the G rows of a group at step 1) are run once and shared
+            first: dict[tuple, int] = {}
+            for i in bucket:
+                first.setdefault(tuple(prompts[i]), i)
+            rows = list(first.values())
+            ids = torch.tensor([prompts[i][c:] for i in rows], device=device)
+            self.prefill_tokens += ids.numel()
+            pos = torch.arange(c, c + m, device=device).expand(len(rows), m)
+            past = None
+            if c:
+                layers = zip(*[reuse[i][1] for i in rows])  # per layer: the rows' (k, v)
+                past = [(torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])) for kv in layers]
+            cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
+            out = self.model(input_ids=ids, attention_mask=torch.ones((len(rows), c + m), dtype=torch.long, device=device),
+                             position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for i in bucket:
+                j = rows.index(first[tuple(prompts[i])])
+                row_logits[i] = out.logits[j, -1].float()
+                row_kv[i] = [(layer.keys[j : j + 1], layer.values[j : j + 1]) for layer in cache.layers]
+        width = max(len(p) for p in prompts)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            attention[i, width - len(p) :] = 1
+        if len(prompts) == 1:
+            stacked = row_kv[0]
+        else:
+            stacked = []
+            for layer, (k0, v0) in enumerate(row_kv[0]):
+                k = k0.new_zeros((len(prompts), k0.shape[1], width, k0.shape[3]))
+                v = v0.new_zeros((len(prompts), v0.shape[1], width, v0.shape[3]))
+                for i, kv in enumerate(row_kv):
+                    length = kv[layer][0].shape[2]
+                    k[i, :, width - length :] = kv[layer][0][0]
+                    v[i, :, width - length :] = kv[layer][1][0]
+                stacked.append((k, v))
+        return torch.stack(row_logits), DynamicCache(ddp_cache_data=stacked), attention
 
     def _save(self, key, fed_ids: list[int], cache, attention: torch.Tensor, row: int) -> None:
         """Keep one row's cache, pads removed, for the next call on the same key."""
