@@ -72,3 +72,19 @@ def test_data_check_counts_real_games(data_root):
 
 def test_data_check_missing_dir(tmp_path):
     assert_clean_error(agentrl("data", "check", "--data", str(tmp_path / "none")), r"no ALFWorld data at")
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--gate", "ten,0.1"], r"malformed gate 'ten,0.1'"),
+        (["--gate", "10,2"], r"d_L must be in \[0, 1\]"),
+        (["--gate", "off", "--tier1-ab"], r"--tier1-ab compares no gate with a gate"),
+        (["--group-size", "1"], r"group_size must be >= 2"),
+        (["--gate", "40,0.1"], r"beyond T_max=30"),
+    ],
+)
+def test_rollout_bad_input(tmp_path, args, pattern):
+    out = tmp_path / "out"
+    assert_clean_error(agentrl("rollout", "--out", str(out), *args), pattern)
+    assert not out.exists()

@@ -134,6 +134,8 @@ def tier1_report(baseline: Rollout, gated: Rollout, gate: Gate, seed: int, resam
         "cuts_correct": correct,
         "cut_precision": correct / len(cut) if cut else None,
         "baseline_zero_variance_groups": sum(b.zero_variance for b, _ in pairs),
+        "identical_work": len(cut) == 0 and base["step_tokens_total"] == gate_arm["step_tokens_total"]
+        and base["env_steps"] == gate_arm["env_steps"],
         "wall_saving": float(saving(base_cost, gated_cost)),
         "wall_saving_ci95": ci,
         "bootstrap": {"resamples": resamples, "unit": "task", "statistic": "1 - sum(gated task cost) / sum(baseline task cost)"},
@@ -162,6 +164,11 @@ def tier1_markdown(rep: dict) -> str:
         f"Zero-variance groups in the baseline: {rep['baseline_zero_variance_groups']}/{rep['tasks']}.",
         f"Task-time saving {100 * rep['wall_saving']:.1f}%, 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%] "
         f"(percentile bootstrap, {rep['bootstrap']['resamples']} task resamples, seeded).",
+        *([
+            "",
+            "Note: the gate cut nothing, so both arms did identical work (same tokens, same env steps); "
+            "the time difference is run-to-run noise, which the task bootstrap does not capture.",
+        ] if rep.get("identical_work") else []),
         "",
     ])
 

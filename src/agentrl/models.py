@@ -174,7 +174,9 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 def load_model(name: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):
     """(model, tokenizer) in eval mode on `device`. Weights load through safetensors."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress display is enough
     tokenizer = load_tokenizer(name, trust_remote_code)
     device = pick_device(device)
     try:
