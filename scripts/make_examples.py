@@ -32,14 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "pick_two_obj_and_place",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "look_at_obj_in_light",
-)
+from agentrl.config import TASK_TYPES
+
 REPO = Path(__file__).resolve().parents[1]
 TODO = "Thought: TODO"
 _WELCOME = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")

@@ -30,6 +30,10 @@ console = Console()
 err = Console(stderr=True)
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config (see configs/).")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")]
+AdapterOpt = Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")]
+MaxNewTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget of one reply.")]
+SamplerOpt = Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 
@@ -44,18 +48,24 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def progress_bar() -> Progress:
+    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err)
+
+
 # ---------------------------------------------------------------- eval
 @app.command("eval")
 def eval_cmd(
     split: Annotated[str, typer.Option(help=f"One of {', '.join(SPLITS)}.")] = "valid_seen",
-    limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N games (sorted by path).")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="Evaluate the first N games (task types interleaved).")] = None,
     task_type: Annotated[Optional[list[str]], typer.Option("--task-type", help="Only this task type (repeatable).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")] = None,
-    adapter: Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")] = None,
+    model: ModelOpt = None,
+    adapter: AdapterOpt = None,
     max_steps: Annotated[Optional[int], typer.Option(help="T_max per episode (default 30).")] = None,
     policy: Annotated[str, typer.Option(help="model | walkthrough (replays each game's expert walkthrough).")] = "model",
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Token budget of one reply.")] = None,
-    sampler: Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")] = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    sampler: SamplerOpt = None,
     seed: Annotated[Optional[int], typer.Option(help="Run seed.")] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -75,10 +85,7 @@ def eval_cmd(
     max_t = cfg.eval.max_steps or cfg.env.max_steps
     with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
         games, policy = prepare_eval(cfg)
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err, transient=False,
-    ) as bar:
+    with progress_bar() as bar:
         loading = bar.add_task("loading games", total=None, info="")
         stepping = bar.add_task("steps", total=max_t, info="", visible=False)
 
@@ -130,10 +137,10 @@ def rollout_cmd(
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Token budget of one reply.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")] = None,
-    adapter: Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")] = None,
-    sampler: Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")] = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    model: ModelOpt = None,
+    adapter: AdapterOpt = None,
+    sampler: SamplerOpt = None,
     seed: Annotated[Optional[int], typer.Option(help="Run seed (same seed -> same first K steps in both arms).")] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -157,10 +164,7 @@ def rollout_cmd(
         games = load_games(cfg)
         policy = make_policy(cfg)
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err,
-    ) as bar:
+    with progress_bar() as bar:
         def progress(name: str):
             task = bar.add_task(name, total=t_max, info="loading games")
 
