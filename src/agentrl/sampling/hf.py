@@ -61,8 +61,13 @@ class HFSampler:
         name = f"v{version if version is not None else 0}"
         try:
             if isinstance(self.model, PeftModel):
+                previous = self.model.active_adapter
+                if name in self.model.peft_config:  # reloading a version name: replace it
+                    self.model.delete_adapter(name)
                 self.model.load_adapter(str(p), adapter_name=name, is_trainable=False)
                 self.model.set_adapter(name)
+                if previous != name and previous in self.model.peft_config:
+                    self.model.delete_adapter(previous)  # hot-swap: only one adapter stays resident
             else:
                 self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as e:

@@ -1,0 +1,70 @@
+"""Teacher-forced, action-masked GRPO loss.
+
+`token_logprobs` runs one forward pass over the exact token ids a trajectory was sampled with
+and returns log p(token t | tokens < t) at every position. `grpo_loss` weights the log-probs
+of action tokens (action_mask == 1) by the trajectory's advantage; prompt and observation
+tokens get exactly zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """[N, T] log-probs; entry t = log p(input_ids[:, t] | input_ids[:, :t]); entry 0 = 0.
+
+    Rows are right-padded (attention_mask 0 on the pad). The vocabulary projection runs in
+    chunks of `chunk` positions (recomputed in backward) so memory stays O(chunk x vocab)
+    instead of O(T x vocab) for long multi-turn trajectories.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, :-1]  # final-norm hidden state at t predicts token t+1
+    targets = input_ids[:, 1:]
+    lm_head = model.get_output_embeddings()
+    pieces = []
+    for start in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(lm_head, h, y))
+    logp = torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((input_ids.shape[0], 0))
+    logp = logp * attention_mask[:, 1:].to(logp.dtype)
+    return torch.cat([logp.new_zeros((input_ids.shape[0], 1)), logp], dim=1)
+
+
+def grpo_loss(
+    token_logp: torch.Tensor,
+    action_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    agg: str = "seq-sum",
+    n_total: int | None = None,
+    tokens_total: int | None = None,
+) -> torch.Tensor:
+    """Policy-gradient loss of a (micro-)batch.
+
+    seq-sum (paper):        -(1/N) sum_i A_i sum_{t in actions_i} logp_it
+    token-mean:             -(sum_i A_i sum_t m_it logp_it) / sum_i sum_t m_it
+    seq-mean-token-mean:    -(1/N) sum_i A_i (sum_t m_it logp_it) / sum_t m_it
+    For micro-batches pass the whole batch's N (`n_total`) and action-token count
+    (`tokens_total`): the summed micro-batch gradients then equal the full batch's.
+    """
+    mask = action_mask.to(token_logp.dtype)
+    per_seq = (token_logp * mask).sum(dim=1)  # masked entries contribute exactly 0 (and 0 gradient)
+    adv = advantages.to(token_logp.dtype)
+    if agg == "seq-sum":
+        return -(adv * per_seq).sum() / (n_total or token_logp.shape[0])
+    if agg == "token-mean":
+        return -(adv * per_seq).sum() / max(1, tokens_total or int(mask.sum()))
+    if agg == "seq-mean-token-mean":
+        return -(adv * per_seq / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
