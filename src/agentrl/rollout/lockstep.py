@@ -222,6 +222,8 @@ def run_lockstep(
                 grp.cut, grp.cut_step = True, step
                 for t in still_running:
                     t.stop_reason = "gate_cut"
+        for k in [k for k in envs if trajs[k].done]:  # a finished trajectory's game is released at once
+            envs.pop(k).close()
         now = time.perf_counter() - wall
         for grp in groups:
             if not grp.wall_s and all(t.done for t in grp.trajectories):
