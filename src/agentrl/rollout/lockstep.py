@@ -58,6 +58,7 @@ class ModelPolicy:
         seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
         keys = [(t.game.game_id, t.index) for t in trajs]
         completions = self.sampler.generate([t.token_ids for t in trajs], self.params, seeds, keys)
+        self._stopped = {}  # only this step's replies are closed by observe()
         for t, c in zip(trajs, completions):
             t.append(c.token_ids, generated=True, logprobs=c.logprobs)
             t.step_tokens.append(len(c.token_ids))
