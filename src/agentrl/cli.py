@@ -297,14 +297,7 @@ def data_check(data: DataOpt = None) -> None:
     root = resolve_data_root(data)
     table = Table(title=f"ALFWorld games in {root}")
     table.add_column("task type")
-    present = []
-    for split in SPLITS:
-        try:
-            split_dir(root, split)
-            present.append(split)
-        except UserError:
-            if not root.is_dir():
-                raise
+    present = [s for s in SPLITS if (root / "json_2.1.1" / s).is_dir()]
     if not present:
         split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
     scans = {s: scan_split(root, s) for s in present}

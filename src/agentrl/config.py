@@ -52,7 +52,6 @@ class EnvConfig:
 @dataclass
 class PromptConfig:
     dir: str | None = None  # None: the prompts/ folder shipped with agentrl
-    history: int | None = None  # keep only the last h steps in context (None: the whole chat)
 
 
 @dataclass
@@ -113,7 +112,6 @@ class Config:
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
             (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
-            (self.prompt.history is None or self.prompt.history >= 1, f"prompt.history must be >= 1, got {self.prompt.history}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
         ]
         for ok, message in checks:

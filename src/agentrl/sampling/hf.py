@@ -136,19 +136,17 @@ class HFSampler:
                 else:
                     keep.append(row)
             if len(tokens[active[0]]) == params.max_new_tokens:
-                keep_rows = []  # budget spent: every row leaves
-            else:
-                keep_rows = keep
+                keep = []  # budget spent: every row leaves
             if keys is not None:
-                for row in set(range(len(active))) - set(keep_rows):
+                for row in set(range(len(active))) - set(keep):
                     self._save(keys[active[row]], prompts[active[row]] + tokens[active[row]][:-1], cache, attention, row)
-            if not keep_rows:
+            if not keep:
                 break
-            if len(keep_rows) < len(active):
-                idx = torch.tensor(keep_rows, device=device)
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=device)
                 cache.batch_select_indices(idx)
                 attention, chosen, step_pos = attention[idx], chosen[idx], step_pos[idx]
-                active = [active[r] for r in keep_rows]
+                active = [active[r] for r in keep]
             attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
             step_pos = step_pos + 1
             logits = self.model(
