@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 # ALFWorld data: $ALFWORLD_DATA if set, else this workplace's shared copy, else alfworld's default
 ALFWORLD_DATA ?= $(if $(wildcard ../shared/data/alfworld/json_2.1.1),$(abspath ../shared/data/alfworld),$(HOME)/.cache/alfworld)
 export ALFWORLD_DATA
+# `make train` writes a new run directory each time (never overwrites one)
+RUN ?= runs/train-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: setup model train test test-fast bench clean
 
@@ -26,7 +28,8 @@ model: setup
 	$(BIN)/agentrl model prepare
 
 train: model
-	$(BIN)/agentrl eval --config configs/default.yaml
+	$(BIN)/agentrl train --config configs/default.yaml --out $(RUN)
+	$(BIN)/agentrl report $(RUN)
 
 test: model
 	$(BIN)/python -m pytest -q

@@ -68,3 +68,42 @@ def games(data_root):
     from agentrl.env.data import discover_games
 
     return {t: discover_games("valid_seen", data_root, [t], limit=1)[0] for t in TASK_TYPES}
+
+
+@pytest.fixture(scope="session")
+def tiny_actor_dir(tmp_path_factory, tiny_model, tokenizer):
+    """The tiny Llama after a few seconds of supervised training on the reply template
+    `Action: move <random object> 1 to <random receptacle> 1`, saved as an ordinary HF model
+    directory (config, safetensors, tokenizer). Sampled at temperature 1 it names random
+    objects and receptacles; with env.fuzzy_threshold 0 each reply maps to the closer of the
+    synthetic task's two commands, so groups have reward variance and GRPO updates are real
+    (a random 2-layer model would never produce an `Action:` line)."""
+    import copy
+    import random
+
+    import torch
+
+    from agentrl.env.synthetic import OBJECTS, RECEPTACLES, SyntheticEnv, synthetic_games, synthetic_messages
+    from agentrl.prompt import ChatRenderer
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = copy.deepcopy(tiny_model).train()
+    renderer = ChatRenderer(tokenizer)
+    game = synthetic_games("train", 1)[0]
+    prompt = renderer.initial(synthetic_messages(game.task_type, SyntheticEnv(game).reset().observation))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(40):
+        replies = [renderer.encode(f"Action: move {rng.choice(OBJECTS)} 1 to {rng.choice(RECEPTACLES)} 1<|im_end|>")
+                   for _ in range(8)]
+        width = max(map(len, replies))
+        ids = torch.tensor([prompt + r + [0] * (width - len(r)) for r in replies])
+        labels = torch.tensor([[-100] * len(prompt) + r + [-100] * (width - len(r)) for r in replies])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = tmp_path_factory.mktemp("tiny-actor")
+    model.eval().save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

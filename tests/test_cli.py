@@ -88,3 +88,30 @@ def test_rollout_bad_input(tmp_path, args, pattern):
     out = tmp_path / "out"
     assert_clean_error(agentrl("rollout", "--out", str(out), *args), pattern)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--lr", "-1"], r"learner.lr must be > 0"),
+        (["--group-size", "1"], r"group_size must be >= 2"),
+        (["--gate", "12,0.1", "--max-steps", "10"], r"gate K=12 is beyond T_max=10"),
+        (["--advantage", "ppo"], r"train.advantage must be one of grpo, dr_grpo, rloo"),
+        (["--loss-agg", "mean"], r"learner.loss_agg must be one of seq-sum"),
+        (["--off-policy", "nowhere/trajectories.jsonl", "--ab", "--gate", "off"], r"--ab compares no gate with a gate"),
+    ],
+)
+def test_train_bad_input(tmp_path, args, pattern):
+    out = tmp_path / "out"
+    assert_clean_error(agentrl("train", "--out", str(out), *args), pattern)
+    assert not out.exists()
+
+
+def test_train_refuses_a_run_directory_in_use(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "iteration", "iteration": 1}\n')
+    assert_clean_error(agentrl("train", "--out", str(run)), r"already holds a run; continue it with --resume")
+    assert_clean_error(agentrl("train", "--resume", str(run)), r"cannot resume .*no config.yaml")
+    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations may change")
+    assert (run / "metrics.jsonl").read_text() == '{"kind": "iteration", "iteration": 1}\n'

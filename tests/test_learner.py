@@ -9,7 +9,8 @@ from agentrl.env.data import Game
 from agentrl.rollout.trajectory import Trajectory
 from agentrl.sampling.base import SamplingParams
 from agentrl.sampling.hf import HFSampler
-from agentrl.train.learner import Learner, LearnerConfig
+from agentrl.config import LearnerConfig
+from agentrl.train.learner import Learner
 from agentrl.train.loss import token_logprobs
 
 GAME = Game("task/trial", "train", "pick_and_place_simple", None)

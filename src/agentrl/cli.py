@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -44,6 +45,7 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
         format="%(message)s",
         handlers=[RichHandler(console=err, show_path=False, show_time=False)],
     )
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecations, not ours
     for noisy in ("transformers", "textworld", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -210,6 +212,133 @@ def print_rollout(rollout, gate) -> None:
                   f"{s.step_tokens} step-tokens · {sum(g.cut for g in rollout.groups)}/{len(rollout.groups)} groups cut")
 
 
+# ---------------------------------------------------------------- train
+@app.command("train")
+def train_cmd(
+    out: Annotated[Optional[Path], typer.Option(help="Run directory (default runs/train-<time>).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue this run directory from its last checkpoint.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite a run directory that already holds a run.")] = False,
+    iterations: Annotated[Optional[int], typer.Option(help="Training iterations (paper: 60).")] = None,
+    tasks: Annotated[Optional[int], typer.Option(help="B: tasks per iteration.")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", "-G", help="G: trajectories per task.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="T_max of training rollouts.")] = None,
+    gate: Annotated[Optional[str], typer.Option(help="K,d_L (e.g. 10,0.12) or off.")] = None,
+    gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
+    advantage: Annotated[Optional[str], typer.Option(help="grpo | dr_grpo | rloo.")] = None,
+    dapo_filter: Annotated[Optional[bool], typer.Option("--dapo-filter/--no-dapo-filter", help="Also drop uncut zero-variance groups.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (paper: 5e-5).")] = None,
+    loss_agg: Annotated[Optional[str], typer.Option(help="seq-sum | token-mean | seq-mean-token-mean.")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="E: greedy held-out eval every E iterations.")] = None,
+    eval_tasks: Annotated[Optional[int], typer.Option(help="H: held-out tasks per eval.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Rollout sampling temperature.")] = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    model: ModelOpt = None,
+    sampler: SamplerOpt = None,
+    seed: Annotated[Optional[int], typer.Option(help="Run seed (tasks, sampling, LoRA init).")] = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    off_policy: Annotated[Optional[Path], typer.Option("--off-policy", help="Tier 2: train on this frozen buffer (trajectories.jsonl of `agentrl rollout --gate off`).")] = None,
+    steps: Annotated[int, typer.Option(help="Tier 2: optimizer steps per arm.")] = 20,
+    groups_per_step: Annotated[int, typer.Option(help="Tier 2: groups sampled per step.")] = 4,
+    positions: Annotated[int, typer.Option(help="Tier 2: action positions sampled per trajectory.")] = 8,
+    ab: Annotated[bool, typer.Option("--ab", help="Tier 2: baseline and gated arms, same groups and seed (Table 4).")] = False,
+) -> None:
+    """GRPO on ALFWorld with the gate (Tier 3): rollout, advantages, update, hot-swap, held-out eval.
+
+    With --off-policy BUFFER: Tier 2, updates on a frozen buffer (--ab: baseline vs gated arm)."""
+    from agentrl.train.loop import Hooks, prepare_run, start_run, train
+
+    overrides = {
+        "seed": seed, "data.root": data, "model.name": model, "sampling.backend": sampler,
+        "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
+        "rollout.tasks": tasks, "rollout.group_size": group_size, "rollout.max_steps": max_steps,
+        "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
+        "train.advantage": advantage, "train.dapo_filter": dapo_filter, "learner.lr": lr, "learner.loss_agg": loss_agg,
+        "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
+    }
+    if off_policy is not None:
+        return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
+    if resume is not None:
+        changed = [k for k, v in overrides.items() if v is not None and k != "train.iterations"]
+        if changed or config or out:
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations may change "
+                            f"(got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
+        run, cfg = resume, prepare_run(resume, None, resume=True, force=False, iterations=iterations)
+    else:
+        run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg = prepare_run(run, load_config(config, overrides), resume=False, force=force)
+    console.print(f"run {run} · model {cfg.model.name} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
+                  f"B={cfg.rollout.tasks} G={cfg.rollout.group_size} T_max={cfg.rollout.max_steps or cfg.env.max_steps} · "
+                  f"{cfg.train.iterations} iterations · seed {cfg.seed}")
+    with progress_bar() as bar:
+        task = bar.add_task("loading models and games", total=None, info="")
+
+        def phase(name: str, total=None) -> None:
+            bar.update(task, description=name, completed=0, total=total, info="")
+
+        def step(n: int, trajs) -> None:
+            live, won = sum(not t.done for t in trajs), sum(t.won for t in trajs)
+            cut = sum(t.stop_reason == "gate_cut" for t in trajs)
+            bar.update(task, completed=n, info=f"live {live}  cut {cut}  won {won}/{len(trajs)}")
+
+        hooks = Hooks(phase=phase, step=step, done=lambda row: bar.console.print(metrics_line(row, cfg.train.iterations)),
+                      warn=lambda m: bar.console.print(f"[bold yellow]warning:[/] {m}"))
+        if resume is None:
+            start_run(run, cfg, force)
+        train(cfg, run, resume=resume is not None, hooks=hooks)
+    console.print(f"wrote {run / 'metrics.jsonl'}; report with `agentrl report {run}`")
+
+
+def offpolicy_cmd(cfg, buffer_path: Path, out: Optional[Path], steps: int, groups_per_step: int, positions: int,
+                  ab: bool, force: bool) -> None:
+    """Tier 2: the same sampled groups through a fresh learner per arm; the Table 4 analogue."""
+    from agentrl.io import atomic_write_json, atomic_write_text
+    from agentrl.train.offpolicy import load_buffer, offpolicy_markdown, run_offpolicy_ab
+
+    for name, value in (("--steps", steps), ("--groups-per-step", groups_per_step), ("--positions", positions)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    gate = cfg.rollout.parsed_gate()
+    arms = ("baseline", "gated") if ab else (("gated",) if gate else ("baseline",))
+    if ab and gate is None:
+        raise UserError("--ab compares no gate with a gate: give --gate K,d_L")
+    out = out or Path("runs") / f"offpolicy-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (out / "offpolicy.json").exists() and not force:
+        raise UserError(f"{out} already holds an off-policy result; use another --out or --force")
+    buffer = load_buffer(buffer_path)
+    if buffer.skipped_cut:
+        err.print(f"[yellow]{buffer.skipped_cut} group(s) were cut during the rollout and are skipped "
+                  "(make the buffer with --gate off)")
+    with progress_bar() as bar:
+        task = bar.add_task("loading model", total=steps * len(arms), info="")
+
+        def progress(arm: str, step: int, total: int, row: dict) -> None:
+            bar.update(task, description=arm, advance=1, info=f"step {step}/{total}")
+
+        report = run_offpolicy_ab(cfg, buffer, steps, groups_per_step, positions, gate, arms=arms, progress=progress)
+    atomic_write_json(out / "offpolicy.json", report)
+    atomic_write_text(out / "offpolicy.md", offpolicy_markdown(report))
+    console.print(offpolicy_markdown(report))
+    console.print(f"wrote {out / 'offpolicy.json'} and {out / 'offpolicy.md'}")
+
+
+def metrics_line(row: dict, iterations: int) -> str:
+    """One line per metrics row: what a user watches while the run goes."""
+    if row["kind"] == "eval":
+        types = "  ".join(f"{k.split('_')[0]}:{100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
+        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{100 * row['success']:.1f}%[/] "
+                f"({row['tasks']} tasks, {row['split']})  {types}  {row['eval_s']:.1f}s")
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
+            f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
+            f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
+            f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
+            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}")
+
+
 # ---------------------------------------------------------------- analyze
 @app.command("analyze")
 def analyze_cmd(
@@ -249,6 +378,31 @@ def analyze_cmd(
         console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
     console.print(f"wrote correlation.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "
                   f"operating_point.json and {len(a.figures)} figures to {out}")
+
+
+# ---------------------------------------------------------------- report
+@app.command("report")
+def report_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="Training run directories (written by `agentrl train`).")],
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default RUN/report for one run, runs/report for several).")] = None,
+) -> None:
+    """Tables and figures of training runs; baseline vs gated (same seed) as the paper's Table 5."""
+    from agentrl.report import build_report, default_out, tables, transposed
+
+    out = out or default_out(runs)
+    rep = build_report(runs, out)
+    for title, header, rows in tables(rep):
+        if len(header) > 7:  # one row per metric, one column per run: fits a terminal
+            header, rows = transposed(header, rows)
+        table = Table(title=title)
+        for i, col in enumerate(header):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    if len(runs) > 1 and not rep["pairs"]:
+        console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
+    console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
 
 
 # ---------------------------------------------------------------- model

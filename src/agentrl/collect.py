@@ -16,7 +16,7 @@ import numpy as np
 from scipy import stats as sps
 
 from agentrl.config import Config
-from agentrl.env.data import discover_games
+from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_text
 from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, run_lockstep
 from agentrl.sampling import make_sampler
@@ -27,7 +27,8 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 
 def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir)
+    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir,
+                       messages=prompt_messages(cfg.env.kind))
 
 
 def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None) -> Rollout:
@@ -36,6 +37,7 @@ def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=Non
     return run_lockstep(
         games, policy, t_max, cfg.env.fuzzy_threshold, group_size=r.group_size,
         gate=gate, signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
+        make_env=env_factory(cfg.env.kind),
     )
 
 
@@ -183,4 +185,4 @@ def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None
 
 
 def load_games(cfg: Config):
-    return discover_games(cfg.rollout.split, cfg.data.root, limit=cfg.rollout.tasks)
+    return find_games(cfg.env.kind, cfg.rollout.split, cfg.data.root, limit=cfg.rollout.tasks)

@@ -27,6 +27,8 @@ TASK_TYPES = (
     "look_at_obj_in_light",
 )
 SPLITS = ("train", "valid_seen", "valid_unseen")
+LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
 
 @dataclass
@@ -45,6 +47,7 @@ class DataConfig:
 
 @dataclass
 class EnvConfig:
+    kind: str = "alfworld"  # alfworld | synthetic (a one-step text task that checks the trainer learns)
     max_steps: int = 30  # T_max; an invalid action still counts
     fuzzy_threshold: float = 85.0  # rapidfuzz ratio (0-100) needed to map an action to an admissible command
 
@@ -89,6 +92,39 @@ class RolloutConfig:
 
 
 @dataclass
+class LearnerConfig:
+    """PEFT LoRA + AdamW (DESIGN.md Table 6). Tier 2: r8/a16 on q,v; tier 3: r16/a32 on q,k,v,o + MLP."""
+
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # None: no clipping (the norm before clipping is logged either way)
+    micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation; same gradient)
+    loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """`agentrl train` (Tier 3): B = rollout.tasks, G = rollout.group_size, the gate = rollout.gate."""
+
+    iterations: int = 60
+    advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo
+    dapo_filter: bool = False  # also drop uncut zero-variance groups from the loss
+    eval_every: int = 10  # E; iteration 0 is always evaluated
+    eval_tasks: int = 50  # H held-out tasks (disjoint from the training tasks)
+    eval_split: str = "valid_seen"
+    eval_max_steps: int | None = None  # None: rollout T_max
+    logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
+    max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
+    keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
+
+
+@dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -98,6 +134,8 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "Config":
         checks = [
@@ -112,6 +150,7 @@ class Config:
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
             (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
+            (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
         ]
         for ok, message in checks:
@@ -126,6 +165,29 @@ class Config:
             (r.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares rollouts of a task), got {r.group_size}"),
             (r.max_steps is None or r.max_steps >= 1, f"rollout.max_steps must be >= 1, got {r.max_steps}"),
             (all(k >= 1 for k in r.signal_steps), f"rollout.signal_steps must be >= 1, got {r.signal_steps}"),
+        ]:
+            if not ok:
+                raise UserError(message)
+        lc, tc = self.learner, self.train
+        for ok, message in [
+            (lc.lora_r >= 1, f"learner.lora_r must be >= 1, got {lc.lora_r}"),
+            (lc.lora_alpha > 0, f"learner.lora_alpha must be > 0, got {lc.lora_alpha}"),
+            (0 <= lc.lora_dropout < 1, f"learner.lora_dropout must be in [0, 1), got {lc.lora_dropout}"),
+            (bool(lc.target_modules), "learner.target_modules must name at least one module"),
+            (lc.lr > 0, f"learner.lr must be > 0, got {lc.lr}"),
+            (lc.weight_decay >= 0, f"learner.weight_decay must be >= 0, got {lc.weight_decay}"),
+            (lc.grad_clip is None or lc.grad_clip > 0, f"learner.grad_clip must be > 0 (or null: no clipping), got {lc.grad_clip}"),
+            (lc.micro_batch >= 1, f"learner.micro_batch must be >= 1, got {lc.micro_batch}"),
+            (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
+            (tc.iterations >= 0, f"train.iterations must be >= 0, got {tc.iterations}"),
+            (tc.advantage in ADVANTAGES, f"train.advantage must be one of {', '.join(ADVANTAGES)}, got {tc.advantage!r}"),
+            (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
+            (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
+            (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),
+            (tc.eval_max_steps is None or tc.eval_max_steps >= 1, f"train.eval_max_steps must be >= 1, got {tc.eval_max_steps}"),
+            (tc.logprob_gap_warn > 0, f"train.logprob_gap_warn must be > 0, got {tc.logprob_gap_warn}"),
+            (tc.max_bad_updates >= 1, f"train.max_bad_updates must be >= 1, got {tc.max_bad_updates}"),
+            (tc.keep_adapters >= 1, f"train.keep_adapters must be >= 1, got {tc.keep_adapters}"),
         ]:
             if not ok:
                 raise UserError(message)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.config import Config
-from agentrl.env.data import discover_games
+from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_lockstep
 from agentrl.sampling import make_sampler
@@ -26,7 +26,7 @@ def build_policy(cfg: Config, sampler=None):
         return WalkthroughPolicy()
     sampler = sampler or make_sampler(cfg)
     greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir)
+    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
 
 
 def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict:
@@ -70,7 +70,7 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
 
 def prepare_eval(cfg: Config, sampler=None):
     """(games, policy): everything that can fail on bad input, before any episode runs."""
-    games = discover_games(cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
+    games = find_games(cfg.env.kind, cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
     return games, build_policy(cfg, sampler)
 
 
@@ -79,7 +79,8 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
     if games is None or policy is None:
         games, policy = prepare_eval(cfg)
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
-    rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset)
+    rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
+                           make_env=env_factory(cfg.env.kind))
     trajs, stats = rollout.trajectories, rollout.stats
     summary = summarize(trajs, stats, cfg)
     if out is not None:

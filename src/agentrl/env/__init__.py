@@ -4,7 +4,40 @@ from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
 from agentrl.env.data import Game, discover_games, resolve_data_root
 
+
+def env_factory(kind: str):
+    """The env class of `env.kind`: alfworld (real games) or synthetic (the learning check)."""
+    if kind == "synthetic":
+        from agentrl.env.synthetic import SyntheticEnv
+
+        return SyntheticEnv
+    return AlfworldEnv
+
+
+def prompt_messages(kind: str):
+    """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind`."""
+    if kind == "synthetic":
+        from agentrl.env.synthetic import synthetic_messages
+
+        return synthetic_messages
+    from agentrl.prompt import episode_messages
+
+    return episode_messages
+
+
+def find_games(kind: str, split: str, data=None, task_types=(), limit: int | None = None) -> list[Game]:
+    """The games of a split for `env.kind` (synthetic: generated, 1000 per split unless limited)."""
+    if kind == "synthetic":
+        from agentrl.env.synthetic import synthetic_games
+
+        return synthetic_games(split, limit or 1000)
+    return discover_games(split, data, task_types, limit)
+
+
 __all__ = [
+    "env_factory",
+    "find_games",
+    "prompt_messages",
     "AlfworldEnv",
     "Game",
     "GameLoadError",

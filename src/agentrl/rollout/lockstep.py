@@ -45,13 +45,15 @@ class RolloutStats:
 class ModelPolicy:
     """Acts by sampling from a Sampler; builds each trajectory's exact tokens as it goes."""
 
-    def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None):
+    def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None,
+                 messages: Callable[[str, str, str | None], list[dict]] = episode_messages):
         self.sampler, self.params, self.seed, self.prompt_dir = sampler, params, seed, prompt_dir
+        self.messages = messages  # (task_type, first observation, prompt_dir) -> chat messages
         self.renderer = ChatRenderer(sampler.tokenizer)
         self._stopped: dict[int, bool] = {}
 
     def start(self, traj: Trajectory) -> None:
-        messages = episode_messages(traj.game.task_type, traj.initial_observation, self.prompt_dir)
+        messages = self.messages(traj.game.task_type, traj.initial_observation, self.prompt_dir)
         traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
@@ -155,6 +157,7 @@ def run_lockstep(
     signal_steps: tuple[int, ...] = (),
     on_step: Callable[[int, list[Trajectory]], None] | None = None,
     on_reset: Callable[[int, int], None] | None = None,
+    make_env: Callable[[Game], object] = AlfworldEnv,
 ) -> Rollout:
     """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K."""
     stats = RolloutStats()
@@ -162,11 +165,11 @@ def run_lockstep(
     groups = [Group(g, [Trajectory(game=g, index=i) for i in range(group_size)]) for g in games]
     trajs = [t for grp in groups for t in grp.trajectories]
     group_of = [grp for grp in groups for _ in grp.trajectories]
-    envs: dict[int, AlfworldEnv] = {}
+    envs: dict[int, object] = {}  # AlfworldEnv, or any env with reset/step/close
     for k, traj in enumerate(trajs):
         t0 = time.perf_counter()
         try:
-            env = AlfworldEnv(traj.game)
+            env = make_env(traj.game)
             first = env.reset()
         except GameLoadError as e:
             traj.stop_reason, traj.error = "env_error", str(e)
@@ -205,6 +208,8 @@ def run_lockstep(
             traj.admissible = result.admissible
             if result.won:
                 traj.stop_reason = "won"
+            elif result.done:  # the env ended the episode without a win
+                traj.stop_reason = "lost"
             elif len(traj.steps) >= max_steps:
                 traj.stop_reason = "max_steps"
             else:

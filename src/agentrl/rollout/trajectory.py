@@ -35,7 +35,7 @@ class Trajectory:
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
-    stop_reason: str | None = None  # won | max_steps | env_error (None while running)
+    stop_reason: str | None = None  # won | lost | max_steps | gate_cut | env_error (None while running)
     error: str | None = None
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+from agentrl.config import ADVANTAGES as ESTIMATORS
 
 
 def group_advantages(rewards, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:

@@ -10,45 +10,31 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from agentrl.config import LearnerConfig
 from agentrl.train.loss import grpo_loss, token_logprobs
-
-
-@dataclass
-class LearnerConfig:
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0  # None: no clipping (the norm is logged either way)
-    micro_batch: int = 2  # trajectories per forward/backward (gradient accumulation)
-    loss_agg: str = "seq-sum"
-    gradient_checkpointing: bool = False
-    seed: int = 0
 
 
 @dataclass
 class UpdateStats:
     loss: float
     grad_l2_norm: float  # before clipping
-    trajectories: int
-    step_tokens_trained: int
-    logprob_gap: float | None  # mean |sampler logp - learner logp| on action tokens, before the update
+    trajectories: int  # in the batch (A = 0 ones included)
+    step_tokens_trained: int  # action tokens that went through forward/backward (A != 0)
+    logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
     skipped: bool = False  # a non-finite loss or gradient: no optimizer step
+    stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
 
 
 class Learner:
-    def __init__(self, model, cfg: LearnerConfig):
+    def __init__(self, model, cfg: LearnerConfig, seed: int = 0):
         from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.cfg = cfg
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
@@ -84,9 +70,13 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
+        # A = 0 contributes exactly zero to the loss and its gradient in every aggregation (it only
+        # counts in N or the token total): no forward/backward for it. Zero-variance groups are all A = 0.
+        work = [(t, a) for t, a in batch if a != 0.0]
+        tokens_trained = sum(sum(t.action_mask) for t, _ in work)
         loss_sum, gap_sum = 0.0, 0.0
-        for start in range(0, n_total, self.cfg.micro_batch):
-            part = batch[start : start + self.cfg.micro_batch]
+        for start in range(0, len(work), self.cfg.micro_batch):
+            part = work[start : start + self.cfg.micro_batch]
             ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
             adv = torch.tensor([a for _, a in part], device=self.device)
             logp = token_logprobs(self.model, ids, attn)
@@ -94,14 +84,18 @@ class Learner:
             loss.backward()
             loss_sum += float(loss.detach())
             gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
+        if not work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
+            self.model.eval()
+            return UpdateStats(0.0, 0.0, n_total, 0, None, skipped=False, stepped=False)
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
-        gap = gap_sum / tokens_total if tokens_total else None
+        gap = gap_sum / tokens_trained if tokens_trained else None
         if not (math.isfinite(loss_sum) and math.isfinite(norm)):
             self.optimizer.zero_grad(set_to_none=True)
-            return UpdateStats(loss_sum, norm, n_total, tokens_total, gap, skipped=True)
+            self.model.eval()
+            return UpdateStats(loss_sum, norm, n_total, tokens_trained, gap, skipped=True, stepped=False)
         self.optimizer.step()
         self.model.eval()
-        return UpdateStats(loss_sum, norm, n_total, tokens_total, gap)
+        return UpdateStats(loss_sum, norm, n_total, tokens_trained, gap)
 
     def save_adapter(self, root: Path) -> Path:
         """Write the adapter as `root/v{n+1}` (PEFT format, safetensors) atomically; return its path."""

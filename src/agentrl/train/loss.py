@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
+from agentrl.config import LOSS_AGGREGATIONS as AGGREGATIONS
 
 
 def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,410 @@
+"""`agentrl report`: tables and figures from one or more training run directories.
+
+A run directory (written by `agentrl train`) holds `config.yaml` (the resolved config tree) and
+`metrics.jsonl` (one "iteration" line per GRPO update, one "eval" line per held-out evaluation).
+The report gives, per run, iterations done, held-out success, wall-clock and time per iteration,
+training reward, groups cut and zero-variance groups, step-tokens; per baseline/gated pair (same
+seed, gate off vs a gate) the analogue of the paper's Table 5; and the paper's figures (held-out
+success, cumulative wall-clock, training reward, cut vs zero-variance counts (Fig. 4), zero-advantage
+fraction and gradient L2 norm (Fig. 7)) with one line per run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from agentrl.errors import UserError
+from agentrl.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+PHASES = ("rollout", "train", "swap", "eval", "iteration")  # <phase>_s keys of an iteration line
+
+
+# ---------------------------------------------------------------- reading a run
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    iterations: list[dict]  # "iteration" lines, one per iteration number (the last one logged wins), sorted
+    evals: list[dict]  # "eval" lines of the held-out split, one per iteration number, sorted
+    heldout_split: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def gate(self) -> str:
+        return normalise_gate(config_value(self.config, "rollout.gate"))
+
+    @property
+    def seed(self) -> int | None:
+        return config_value(self.config, "seed")
+
+    def series(self, key: str, rows: list[dict] | None = None) -> tuple[list[int], list[float]]:
+        """(iteration, value) of rows carrying a finite number under key (a gap elsewhere)."""
+        rows = self.iterations if rows is None else rows
+        xs, ys = [], []
+        for r in rows:
+            if is_number(r.get(key)):
+                xs.append(r["iteration"])
+                ys.append(float(r[key]))
+        return xs, ys
+
+
+def config_value(config: dict, dotted: str, default=None):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def normalise_gate(gate) -> str:
+    """The gate as written on the command line: "off" or "K,d_L" (YAML 1.1 reads a bare off as False)."""
+    if gate is None or gate is False or str(gate).strip().lower() in ("off", "none", "false", ""):
+        return "off"
+    return str(gate).replace(" ", "")
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
+    """JSON objects of metrics.jsonl; an unparsable line (a torn last line) is skipped with a warning."""
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            where = "torn last line" if n == len(lines) else f"unparsable line {n}"
+            warnings.append(f"{path}: {where} skipped")
+            log.warning(warnings[-1])
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def read_config(path: Path, warnings: list[str]) -> dict:
+    if not path.is_file():
+        warnings.append(f"{path} not found: gate, seed and model unknown")
+        log.warning(warnings[-1])
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        warnings.append(f"{path} is not valid YAML ({str(e).splitlines()[0]}): gate, seed and model unknown")
+        log.warning(warnings[-1])
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def last_per_iteration(rows: list[dict]) -> list[dict]:
+    by_iteration = {r["iteration"]: r for r in rows if isinstance(r.get("iteration"), int)}
+    return [by_iteration[i] for i in sorted(by_iteration)]
+
+
+def load_run(path: Path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"run directory not found: {path}")
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{path} has no metrics.jsonl: not a training run directory (agentrl train writes one)")
+    warnings: list[str] = []
+    config = read_config(path / "config.yaml", warnings)
+    rows = read_metrics(metrics, warnings)
+    iterations = last_per_iteration([r for r in rows if r.get("kind") == "iteration"])
+    if not iterations:
+        raise UserError(f"{metrics} has no iteration lines: the run has not finished an iteration yet")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    split = config_value(config, "train.eval_split")
+    splits = [r.get("split") for r in evals]
+    if split not in splits and splits:
+        split = max(set(splits), key=splits.count)  # the config's split is unknown: the most evaluated one
+    evals = last_per_iteration([r for r in evals if r.get("split") == split])
+    return Run(path, config, iterations, evals, split if evals else None, warnings)
+
+
+# ---------------------------------------------------------------- numbers
+def mean(values) -> float | None:
+    values = [float(v) for v in values if is_number(v)]
+    return sum(values) / len(values) if values else None
+
+
+def total(run: Run, key: str) -> int | float:
+    return sum(r[key] for r in run.iterations if is_number(r.get(key)))
+
+
+def run_summary(run: Run) -> dict:
+    """The per-run table's numbers."""
+    last = run.iterations[-1]
+    final = run.evals[-1] if run.evals else None
+    scored = [r for r in run.evals if is_number(r.get("success"))]
+    best = max(scored, key=lambda r: (r["success"], -r["iteration"])) if scored else None  # the earliest of ties
+    return {
+        "run": str(run.path), "name": run.name, "gate": run.gate, "seed": run.seed,
+        "model": config_value(run.config, "model.name"),
+        "tasks": config_value(run.config, "rollout.tasks"), "group_size": config_value(run.config, "rollout.group_size"),
+        "iterations_planned": config_value(run.config, "train.iterations"),
+        "iterations": last["iteration"],
+        "heldout_split": run.heldout_split,
+        "initial_heldout_success": run.evals[0].get("success") if run.evals and run.evals[0]["iteration"] == 0 else None,
+        "final_heldout_success": final.get("success") if final else None,
+        "final_heldout_iteration": final["iteration"] if final else None,
+        "best_heldout_success": best.get("success") if best else None,
+        "best_heldout_iteration": best["iteration"] if best else None,
+        "wall_clock_s": last.get("elapsed_s"),
+        "mean_s_per_iteration": {p: mean(r.get(f"{p}_s") for r in run.iterations) for p in PHASES},
+        "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),
+        "groups": total(run, "groups"),
+        "groups_cut": total(run, "groups_cut"),
+        "zero_variance_groups": total(run, "zero_variance_groups"),
+        "zero_variance_all_fail": total(run, "zero_variance_all_fail"),
+        "zero_variance_all_success": total(run, "zero_variance_all_success"),
+        "step_tokens_generated": total(run, "step_tokens_generated"),
+        "step_tokens_trained": total(run, "step_tokens_trained"),
+        "skipped_updates": sum(bool(r.get("skipped_update")) for r in run.iterations),
+        "warnings": run.warnings,
+    }
+
+
+def find_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
+    """(baseline, gated) pairs: same seed, gate off vs a gate; among several baselines, the same setup first."""
+    setup = ("model.name", "rollout.tasks", "rollout.group_size", "train.iterations")
+
+    def mismatches(a: Run, b: Run) -> int:
+        return sum(config_value(a.config, k) != config_value(b.config, k) for k in setup)
+
+    pairs = []
+    for gated in runs:
+        if gated.gate == "off" or gated.seed is None:
+            continue
+        baselines = [b for b in runs if b.gate == "off" and b.seed == gated.seed]
+        if baselines:
+            pairs.append((min(baselines, key=lambda b: mismatches(b, gated)), gated))
+    return pairs
+
+
+def pair_summary(baseline: Run, gated: Run) -> dict:
+    """The paper's Table 5 analogue: what the gate changed against the same-seed baseline."""
+    b, g = run_summary(baseline), run_summary(gated)
+    b_norm, g_norm = (dict(zip(*r.series("grad_l2_norm"))) for r in (baseline, gated))
+    common = sorted(b_norm.keys() & g_norm.keys())
+    b_mean, g_mean = mean(b_norm[i] for i in common), mean(g_norm[i] for i in common)
+    wall_b, wall_g = b["wall_clock_s"], g["wall_clock_s"]
+    final_b, final_g = b["final_heldout_success"], g["final_heldout_success"]
+    return {
+        "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
+        "iterations_baseline": b["iterations"], "iterations_gated": g["iterations"],
+        "wall_clock_change_pct": 100 * (wall_g / wall_b - 1) if is_number(wall_b) and is_number(wall_g) and wall_b > 0 else None,
+        "groups_cut": g["groups_cut"],
+        "grad_norm_ratio": g_mean / b_mean if b_mean and g_mean is not None else None,
+        "grad_norm_iterations": len(common),
+        "heldout_delta_pts": 100 * (final_g - final_b) if is_number(final_b) and is_number(final_g) else None,
+        "zero_variance_groups_baseline": b["zero_variance_groups"],
+        "zero_variance_groups_gated": g["zero_variance_groups"],
+    }
+
+
+# ---------------------------------------------------------------- figures
+def label(run: Run) -> str:
+    return f"{run.name} (gate {run.gate})"
+
+
+def save_figure(fig, path: Path) -> Path:
+    """savefig to a temporary file beside path, then rename: a reader never sees half a PNG."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def style(ax, ylabel: str, title: str, legend_size: int | None = 8) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend_size:
+        ax.legend(fontsize=legend_size)
+
+
+def line_figure(runs: list[Run], out: Path, name: str, key: str, ylabel: str, title: str, evals: bool = False,
+                ylim: tuple[float, float] | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for run in runs:
+        xs, ys = run.series(key, run.evals if evals else None)
+        ax.plot(xs, ys, marker="o" if evals or len(xs) < 30 else None, ms=3, label=label(run))
+    style(ax, ylabel, title)
+    if ylim:
+        ax.set_ylim(*ylim)
+    fig.tight_layout()
+    path = save_figure(fig, out / name)
+    plt.close(fig)
+    return path
+
+
+def cut_vs_zero_variance_figure(runs: list[Run], out: Path) -> Path:
+    """Paper Fig. 4: groups cut by the gate vs zero-variance groups (among uncut), per iteration."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        ax.plot(*run.series("groups_cut"), color=color, ls="-", marker="o", ms=3, label=f"{label(run)}: cut")
+        ax.plot(*run.series("zero_variance_groups"), color=color, ls="--", marker="x", ms=3,
+                label=f"{label(run)}: zero-variance")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    style(ax, "groups", "groups cut (solid) vs zero-variance groups (dashed)", legend_size=7)
+    fig.tight_layout()
+    path = save_figure(fig, out / "cut_vs_zero_variance.png")
+    plt.close(fig)
+    return path
+
+
+def zero_adv_grad_norm_figure(runs: list[Run], out: Path) -> Path:
+    """Paper Fig. 7: zero-advantage fraction of the batch (left) and gradient L2 norm (right)."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in runs:
+        left.plot(*run.series("zero_adv_fraction"), marker="o", ms=3, label=label(run))
+        right.plot(*run.series("grad_l2_norm"), marker="o", ms=3, label=label(run))
+    style(left, "share of trajectories with advantage 0", "zero-advantage fraction")
+    style(right, "gradient L2 norm (before clipping)", "gradient norm", legend_size=None)
+    fig.tight_layout()
+    path = save_figure(fig, out / "zero_adv_grad_norm.png")
+    plt.close(fig)
+    return path
+
+
+def figures(runs: list[Run], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    return [
+        line_figure(runs, out, "heldout_success.png", "success", "held-out success", "held-out success", evals=True,
+                    ylim=(-0.02, 1.02)),
+        line_figure(runs, out, "wall_clock.png", "elapsed_s", "cumulative wall-clock (s)", "wall-clock"),
+        line_figure(runs, out, "train_reward.png", "train_reward", "mean reward (uncut groups)", "training reward"),
+        cut_vs_zero_variance_figure(runs, out),
+        zero_adv_grad_norm_figure(runs, out),
+    ]
+
+
+# ---------------------------------------------------------------- the report
+def default_out(runs: list[Path]) -> Path:
+    return Path(runs[0]) / "report" if len(runs) == 1 else Path("runs/report")
+
+
+def build_report(runs: list[Path], out: Path | None = None) -> dict:
+    """Read the runs, write report.md, report.json and the figures into out; return the report."""
+    if not runs:
+        raise UserError("give at least one run directory")
+    loaded = [load_run(Path(p)) for p in runs]
+    out = Path(out) if out is not None else default_out(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    rep = {
+        "runs": [run_summary(r) for r in loaded],
+        "pairs": [pair_summary(b, g) for b, g in find_pairs(loaded)],
+        "figures": [str(p) for p in figures(loaded, out)],
+    }
+    atomic_write_text(out / "report.md", report_markdown(rep))
+    atomic_write_json(out / "report.json", rep)
+    return rep
+
+
+# ---------------------------------------------------------------- tables
+def fmt(v, spec: str = ".3g", suffix: str = "") -> str:
+    return "–" if v is None else f"{v:{spec}}{suffix}"
+
+
+def fmt_duration(s) -> str:
+    if not is_number(s):
+        return "–"
+    if s < 60:
+        return f"{s:.1f}s"
+    h, rest = divmod(int(round(s)), 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def success_at(r: dict, which: str) -> str:
+    v, it = r[f"{which}_heldout_success"], r[f"{which}_heldout_iteration"]
+    return "–" if v is None else f"{100 * v:.1f}% @{it}"
+
+
+RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",
+              "train reward", "groups cut", "zero-variance groups", "step-tokens generated", "step-tokens trained"]
+PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "wall-clock change", "groups cut",
+               "grad-norm ratio", "held-out Δ", "zero-variance groups (baseline → gated)"]
+
+
+def run_row(r: dict) -> list[str]:
+    return [r["name"], r["gate"], fmt(r["seed"], ""), f"{fmt(r['tasks'], '')}×{fmt(r['group_size'], '')}",
+            f"{r['iterations']}/{fmt(r['iterations_planned'], '')}", success_at(r, "final"), success_at(r, "best"),
+            fmt_duration(r["wall_clock_s"]), fmt(r["mean_train_reward"], ".3f"), f"{r['groups_cut']}/{r['groups']}",
+            f"{r['zero_variance_groups']} ({r['zero_variance_all_fail']} fail, {r['zero_variance_all_success']} success)",
+            f"{r['step_tokens_generated']:,}", f"{r['step_tokens_trained']:,}"]
+
+
+def pair_row(p: dict) -> list[str]:
+    return [Path(p["gated"]).name, Path(p["baseline"]).name, fmt(p["seed"], ""), p["gate"],
+            f"{p['iterations_baseline']} / {p['iterations_gated']}", fmt(p["wall_clock_change_pct"], "+.1f", "%"),
+            str(p["groups_cut"]), fmt(p["grad_norm_ratio"], ".3f"), fmt(p["heldout_delta_pts"], "+.1f", " pts"),
+            f"{p['zero_variance_groups_baseline']} → {p['zero_variance_groups_gated']}"]
+
+
+def tables(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of each table, formatted for reading: report_markdown and the CLI print these."""
+    out = [("runs", RUN_HEADER, [run_row(r) for r in rep["runs"]]),
+           ("mean seconds per iteration", ["run", *PHASES],
+            [[r["name"], *(fmt(r["mean_s_per_iteration"][p], ".1f") for p in PHASES)] for r in rep["runs"]])]
+    if rep["pairs"]:
+        out.append(("gated vs baseline, same seed (paper Table 5)", PAIR_HEADER, [pair_row(p) for p in rep["pairs"]]))
+    return out
+
+
+def transposed(header: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
+    """One row per column, one column per row (named by its first cell): wide tables in a narrow terminal."""
+    return ["", *(row[0] for row in rows)], [[name, *(row[i] for row in rows)] for i, name in enumerate(header) if i]
+
+
+def report_markdown(rep: dict) -> str:
+    parts = ["# agentrl report", ""]
+    for title, header, rows in tables(rep):
+        parts += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        parts += ["| " + " | ".join(row) + " |" for row in rows]
+        parts.append("")
+    warnings = [w for r in rep["runs"] for w in r["warnings"]]
+    if warnings:
+        parts += ["## warnings", "", *(f"- {w}" for w in warnings), ""]
+    if rep.get("figures"):
+        parts += ["## figures", "", *(f"![{Path(f).stem}]({Path(f).name})" for f in rep["figures"]), ""]
+    return "\n".join(parts)

@@ -1,0 +1,266 @@
+"""`agentrl train` (Tier 3, on-policy): the whole loop on one screen.
+
+    for each iteration:
+        games   = tasks.select(B)                         # select: B training tasks, seeded
+        rollout = roll(games, policy, gate)               # rollout: G per task in lockstep, gate after step K
+        batch   = batch_advantages(rollout.groups)        # advantage: Eq. 1; cut groups never enter
+        stats   = learner.update(batch)                   # learn: one action-masked GRPO step
+        sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
+        evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
+        metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
+
+Each named step lives in its own module. The run directory holds config.yaml (the resolved
+config), metrics.jsonl (one line per iteration, one per eval), adapters/v{n} and
+checkpoints/ (see checkpoint.py); `--resume RUN` continues from the last complete iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from agentrl.collect import roll
+from agentrl.config import Config, load_config
+from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.errors import UserError
+from agentrl.rollout import ModelPolicy, run_lockstep
+from agentrl.sampling.base import SamplingParams
+from agentrl.train import checkpoint
+from agentrl.train.advantage import batch_advantages
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- select
+class TaskSampler:
+    """The training pool and the held-out eval tasks. B tasks per iteration, uniformly without
+    replacement within an iteration, from a generator seeded with the run seed (saved in checkpoints)."""
+
+    def __init__(self, cfg: Config):
+        kind, t = cfg.env.kind, cfg.train
+        self.held_out = find_games(kind, t.eval_split, cfg.data.root, limit=t.eval_tasks) if t.eval_tasks else []
+        held_ids = {g.game_id for g in self.held_out}
+        pool = find_games(kind, cfg.rollout.split, cfg.data.root)
+        self.pool = [g for g in pool if g.game_id not in held_ids]  # disjoint even if the splits are the same
+        if len(self.pool) < cfg.rollout.tasks:
+            raise UserError(f"rollout.tasks={cfg.rollout.tasks} but split {cfg.rollout.split!r} has only "
+                            f"{len(self.pool)} training tasks (held-out tasks excluded)")
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def select(self, n: int):
+        return [self.pool[i] for i in self.rng.choice(len(self.pool), size=n, replace=False)]
+
+    def state(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def restore(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
+
+def iteration_seed(run_seed: int, iteration: int) -> int:
+    """Sampling seed of one iteration's rollouts (fresh samples per iteration, same on resume)."""
+    return int.from_bytes(hashlib.blake2b(f"{run_seed}/{iteration}".encode(), digest_size=7).digest(), "little")
+
+
+# ---------------------------------------------------------------- metrics
+def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adapter_version: int, elapsed_s: float) -> dict:
+    groups = rollout.groups
+    uncut = [g for g in groups if not g.cut]
+    zero_var = [g for g in uncut if g.zero_variance]
+    rewards = [r for g in uncut for r in g.rewards]
+    return {
+        "kind": "iteration",
+        "iteration": iteration,
+        "groups": len(groups),
+        "groups_cut": len(groups) - len(uncut),
+        "zero_variance_groups": len(zero_var),
+        "zero_variance_all_fail": sum(g.rewards[0] == 0 for g in zero_var),
+        "zero_variance_all_success": sum(g.rewards[0] > 0 for g in zero_var),
+        "zero_adv_fraction": float(np.mean([a == 0.0 for _, a in batch])) if batch else None,
+        "grad_l2_norm": stats.grad_l2_norm,
+        "loss": stats.loss,
+        "train_reward": float(np.mean(rewards)) if rewards else None,
+        "step_tokens_generated": rollout.stats.step_tokens,
+        "step_tokens_trained": stats.step_tokens_trained,
+        "trajectories_trained": sum(a != 0.0 for _, a in batch),
+        **{k: round(v, 4) for k, v in timings.items()},
+        "elapsed_s": round(elapsed_s, 4),
+        "adapter_version": adapter_version,
+        "logprob_gap": stats.logprob_gap,
+        "skipped_update": stats.skipped,
+    }
+
+
+class Metrics:
+    """RUN/metrics.jsonl: appended one fsynced line at a time; on resume cut back to the checkpoint."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def append(self, *rows: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def truncate_after(self, iteration: int) -> None:
+        """Keep the complete lines of iterations <= `iteration` (a torn or later line is dropped)."""
+        from agentrl.io import atomic_write_text
+
+        kept = []
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration:
+                    kept.append(line + "\n")
+        atomic_write_text(self.path, "".join(kept))
+
+
+# ---------------------------------------------------------------- eval
+def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, on_step=None) -> dict:
+    """Greedy episodes on the held-out tasks with the sampler's current adapter."""
+    t0 = time.perf_counter()
+    greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
+    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
+    t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
+    rollout = run_lockstep(games, policy, t_max, cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind))
+    by_type: dict[str, list[bool]] = {}
+    for t in rollout.trajectories:
+        by_type.setdefault(t.game.task_type, []).append(t.won)
+    won = [t.won for t in rollout.trajectories]
+    return {
+        "kind": "eval", "iteration": iteration, "split": cfg.train.eval_split, "tasks": len(won),
+        "success": float(np.mean(won)) if won else 0.0,
+        "by_task_type": {k: {"episodes": len(v), "success": float(np.mean(v))} for k, v in sorted(by_type.items())},
+        "eval_s": round(time.perf_counter() - t0, 4), "adapter_version": adapter_version,
+    }
+
+
+# ---------------------------------------------------------------- run directory
+def prepare_run(run: Path, cfg: Config | None, resume: bool, force: bool, iterations: int | None = None) -> Config:
+    """Check the run directory before anything is loaded; return the config the run uses.
+
+    A fresh run refuses a directory that already holds a run (unless --force); --resume reads
+    the run's own config.yaml (only the iteration count may change)."""
+    config_file = run / "config.yaml"
+    if resume:
+        if not config_file.is_file():
+            raise UserError(f"cannot resume {run}: no config.yaml there (not an agentrl train run directory)")
+        return load_config(config_file, {"train.iterations": iterations})
+    assert cfg is not None
+    if run.exists() and any(run.iterdir()):
+        if not force:
+            raise UserError(f"{run} already holds a run; continue it with --resume {run} or overwrite it with --force")
+    return cfg
+
+
+def start_run(run: Path, cfg: Config, force: bool) -> None:
+    if force and run.exists():
+        shutil.rmtree(run)
+    run.mkdir(parents=True, exist_ok=True)
+    from agentrl.io import atomic_write_text
+
+    atomic_write_text(run / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+
+# ---------------------------------------------------------------- the loop
+@dataclass
+class Hooks:
+    """Progress callbacks (the CLI draws them with rich; tests leave them out)."""
+
+    phase: callable = lambda name, total=None: None  # "rollout" | "train" | "swap" | "eval"
+    step: callable = lambda step, trajs: None
+    done: callable = lambda row: None  # each metrics line as it is written
+    warn: callable = field(default=lambda message: log.warning("%s", message))
+
+
+def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None) -> dict:
+    """Run (or continue) a training run in `run`; return the last iteration's metrics line."""
+    from agentrl.models import load_model
+    from agentrl.sampling import make_sampler
+    from agentrl.train.learner import Learner
+
+    hooks = hooks or Hooks()
+    tasks = TaskSampler(cfg)
+    gate = cfg.rollout.parsed_gate()
+    sampler = sampler or make_sampler(cfg)
+    learner = learner or Learner(load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)[0],
+                                 cfg.learner, seed=cfg.seed)
+    metrics = Metrics(run / "metrics.jsonl")
+    state = checkpoint.TrainState()
+    last = checkpoint.latest(run) if resume else None
+    if last is not None:
+        state = checkpoint.load(last, learner)
+        tasks.restore(state.task_rng)
+        sampler.load_adapter(str(last / "adapter"), state.adapter_version)
+    metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
+    E, row = cfg.train.eval_every, {}
+    if state.iteration == 0 and tasks.held_out:  # iteration 0: the base policy, before any update
+        hooks.phase("eval", len(tasks.held_out))
+        row = evaluate(cfg, sampler, tasks.held_out, 0, state.adapter_version, hooks.step)
+        state.elapsed_s += row["eval_s"]
+        metrics.append(row)
+        hooks.done(row)
+
+    for it in range(state.iteration + 1, cfg.train.iterations + 1):
+        t0 = time.perf_counter()
+        games = tasks.select(cfg.rollout.tasks)                                                   # select
+        hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
+        policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
+                             seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
+        rollout = roll(cfg, games, policy, gate, on_step=hooks.step)                              # rollout + gate
+        t1 = time.perf_counter()
+        batch = batch_advantages(rollout.groups, cfg.train.advantage, cfg.train.dapo_filter)     # advantage
+        hooks.phase("train")
+        stats = learner.update(batch)                                                             # learn
+        t2 = time.perf_counter()
+        if stats.stepped:                                                                         # swap
+            hooks.phase("swap")
+            adapter = learner.save_adapter(run / "adapters")
+            sampler.load_adapter(str(adapter), learner.version)
+            prune_adapters(run / "adapters", cfg.train.keep_adapters)
+        t3 = time.perf_counter()
+        state.bad_updates = state.bad_updates + 1 if stats.skipped else 0
+        if stats.skipped:
+            hooks.warn(f"iteration {it}: non-finite loss or gradient (loss {stats.loss}, grad norm {stats.grad_l2_norm}); update skipped")
+        if stats.logprob_gap is not None and stats.logprob_gap > cfg.train.logprob_gap_warn:
+            hooks.warn(f"iteration {it}: sampler and learner disagree on action log-probs by {stats.logprob_gap:.3f} on average "
+                       f"(> {cfg.train.logprob_gap_warn}): a stale adapter or a tokenisation mismatch")
+        eval_row = None
+        if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
+            hooks.phase("eval", len(tasks.held_out))
+            eval_row = evaluate(cfg, sampler, tasks.held_out, it, learner.version, hooks.step)
+        t4 = time.perf_counter()
+        state.iteration, state.adapter_version = it, learner.version
+        state.elapsed_s += t4 - t0
+        state.task_rng = tasks.state()
+        timings = {"rollout_s": t1 - t0, "train_s": t2 - t1, "swap_s": t3 - t2, "eval_s": t4 - t3, "iteration_s": t4 - t0}
+        row = iteration_metrics(it, rollout, batch, stats, timings, learner.version, state.elapsed_s)
+        metrics.append(row, *([eval_row] if eval_row else []))
+        checkpoint.save(run, state, learner)                                                      # now it counts
+        hooks.done(row)
+        if eval_row:
+            hooks.done(eval_row)
+        if state.bad_updates >= cfg.train.max_bad_updates:
+            raise UserError(f"{state.bad_updates} non-finite updates in a row (last at iteration {it}); stopping. "
+                            f"Lower learner.lr or enable learner.grad_clip, then --resume {run}")
+    return row
+
+
+def prune_adapters(root: Path, keep: int) -> None:
+    versions = sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

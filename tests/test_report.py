@@ -1,0 +1,163 @@
+"""`agentrl report`: per-run numbers, the baseline/gated pair (paper Table 5), figures, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrl.errors import UserError
+from agentrl.report import build_report, load_run, report_markdown
+
+CONFIG = """seed: {seed}
+model:
+  name: default
+rollout:
+  tasks: 4
+  group_size: 8
+  gate: {gate}
+train:
+  iterations: 3
+  eval_split: valid_seen
+"""
+
+
+def iteration(i, elapsed, grad, cut, zero_var, reward, **extra):
+    return {"kind": "iteration", "iteration": i, "groups": 4, "groups_cut": cut, "zero_variance_groups": zero_var,
+            "zero_variance_all_fail": zero_var, "zero_variance_all_success": 0, "zero_adv_fraction": zero_var / 4,
+            "grad_l2_norm": grad, "loss": 0.1, "train_reward": reward, "step_tokens_generated": 1000,
+            "step_tokens_trained": 1000 - 100 * cut, "trajectories_trained": 8 * (4 - cut), "rollout_s": 20.0,
+            "train_s": 10.0, "swap_s": 1.0, "eval_s": 0.0, "iteration_s": 31.0, "elapsed_s": elapsed,
+            "adapter_version": i, "logprob_gap": 0.01, "skipped_update": False, **extra}
+
+
+def evaluation(i, success, split="valid_seen"):
+    return {"kind": "eval", "iteration": i, "split": split, "tasks": 8, "success": success,
+            "by_task_type": {"pick_and_place_simple": {"episodes": 8, "success": success}}, "eval_s": 5.0,
+            "adapter_version": i}
+
+
+def write_run(path, seed, gate, rows, torn=False):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(CONFIG.format(seed=seed, gate=gate))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (path / "metrics.jsonl").write_text(text + ('{"kind": "iteration", "iterat' if torn else ""))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("runs")
+    baseline = write_run(tmp_path / "baseline", 7, "off", [  # a bare YAML off reads as False: still "off"
+        evaluation(0, 0.25),
+        iteration(1, 100.0, 2.0, 0, 2, 0.5),
+        iteration(2, 200.0, 2.0, 0, 1, None),
+        {"kind": "heartbeat", "t": 1},
+        iteration(3, 300.0, 2.0, 0, 1, 0.25, unknown_key="ignored"),
+        evaluation(3, 0.5),
+        evaluation(3, 0.0, split="train"),  # not the held-out split
+    ])
+    gated = write_run(tmp_path / "gated", 7, '"10,0.12"', [
+        iteration(1, 80.0, 3.0, 2, 0, 1.0),
+        evaluation(0, 0.25),
+        iteration(2, 160.0, 3.0, 1, 1, 0.5),
+        evaluation(2, 0.75),
+        iteration(3, 240.0, 3.0, 0, 0, 0.0),
+        evaluation(3, 0.625),
+    ], torn=True)
+    return baseline, gated
+
+
+@pytest.fixture(scope="module")
+def report(runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    return build_report(list(runs), out), out
+
+
+def test_pair_is_the_papers_table5(runs, report):
+    baseline, gated = runs
+    rep, _ = report
+    (pair,) = rep["pairs"]
+    assert pair["seed"] == 7 and pair["gate"] == "10,0.12"
+    assert pair["baseline"] == str(baseline) and pair["gated"] == str(gated)
+    assert pair["wall_clock_change_pct"] == pytest.approx(-20.0)  # 240 / 300 - 1
+    assert pair["groups_cut"] == 3
+    assert pair["grad_norm_ratio"] == pytest.approx(1.5) and pair["grad_norm_iterations"] == 3
+    assert pair["heldout_delta_pts"] == pytest.approx(12.5)  # final evals 0.625 - 0.5
+    assert (pair["zero_variance_groups_baseline"], pair["zero_variance_groups_gated"]) == (4, 1)
+
+
+def test_per_run_numbers(report):
+    rep, _ = report
+    b, g = rep["runs"]
+    assert (b["gate"], b["seed"], b["iterations"], b["iterations_planned"]) == ("off", 7, 3, 3)
+    assert (b["final_heldout_success"], b["final_heldout_iteration"]) == (0.5, 3)
+    assert (g["final_heldout_success"], g["best_heldout_success"], g["best_heldout_iteration"]) == (0.625, 0.75, 2)
+    assert g["initial_heldout_success"] == 0.25
+    assert b["wall_clock_s"] == 300.0 and g["wall_clock_s"] == 240.0
+    assert b["mean_s_per_iteration"] == {"rollout": 20.0, "train": 10.0, "swap": 1.0, "eval": 0.0, "iteration": 31.0}
+    assert b["mean_train_reward"] == pytest.approx(0.375)  # the null reward is left out
+    assert g["mean_train_reward"] == pytest.approx(0.5)
+    assert (g["groups"], g["groups_cut"], g["zero_variance_groups"]) == (12, 3, 1)
+    assert (g["step_tokens_generated"], g["step_tokens_trained"]) == (3000, 2700)
+
+
+def test_files_and_markdown(report):
+    rep, out = report
+    names = {p.split("/")[-1] for p in rep["figures"]}
+    assert names == {"heldout_success.png", "wall_clock.png", "train_reward.png", "cut_vs_zero_variance.png",
+                     "zero_adv_grad_norm.png"}
+    for p in rep["figures"]:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(rep))
+    md = (out / "report.md").read_text()
+    assert md == report_markdown(rep)
+    assert "| gated | baseline | 7 | 10,0.12 | 3 / 3 | -20.0% | 3 | 1.500 | +12.5 pts | 4 → 1 |" in md
+    assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.png"))
+
+
+def test_torn_last_line_is_skipped_with_a_warning(runs, caplog):
+    run = load_run(runs[1])
+    assert [r["iteration"] for r in run.iterations] == [1, 2, 3]
+    assert any("torn last line" in w for w in run.warnings)
+    assert "torn last line" in caplog.text
+
+
+def test_no_pair_without_a_same_seed_baseline(runs, tmp_path):
+    other = write_run(tmp_path / "other", 8, "off", [iteration(1, 50.0, 1.0, 0, 0, 0.0)])
+    rep = build_report([runs[1], other], tmp_path / "out")
+    assert rep["pairs"] == []
+    assert "Table 5" not in report_markdown(rep)
+
+
+def test_one_run_defaults_to_run_report(runs):
+    rep = build_report([runs[0]])
+    assert (runs[0] / "report" / "report.md").is_file()
+    assert rep["pairs"] == [] and len(rep["figures"]) == 5
+
+
+def test_bad_runs(tmp_path):
+    with pytest.raises(UserError, match="run directory not found: .*nope"):
+        build_report([tmp_path / "nope"], tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no metrics.jsonl"):
+        build_report([tmp_path / "empty"], tmp_path / "out")
+    write_run(tmp_path / "evals_only", 0, "off", [evaluation(0, 0.1)])
+    with pytest.raises(UserError, match="no iteration lines"):
+        build_report([tmp_path / "evals_only"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from agentrl.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["report", str(runs[0]), str(runs[1]), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Table 5" in result.output and "wrote report.md" in result.output
+    assert (out / "report.json").is_file() and len(list(out.glob("*.png"))) == 5
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert isinstance(result.exception, UserError)
