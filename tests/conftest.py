@@ -75,8 +75,8 @@ def tiny_actor_dir(tmp_path_factory, tiny_model, tokenizer):
     """The tiny Llama after a few seconds of supervised training on the reply template
     `Action: move <random object> 1 to <random receptacle> 1`, saved as an ordinary HF model
     directory (config, safetensors, tokenizer). Sampled at temperature 1 it names random
-    objects and receptacles; with env.fuzzy_threshold 0 each reply maps to the closer of the
-    synthetic task's two commands, so groups have reward variance and GRPO updates are real
+    objects and receptacles; with env.fuzzy_threshold 0 each reply maps to the closest of the
+    synthetic task's four commands, so groups have reward variance and GRPO updates are real
     (a random 2-layer model would never produce an `Action:` line)."""
     import copy
     import random
@@ -98,8 +98,9 @@ def tiny_actor_dir(tmp_path_factory, tiny_model, tokenizer):
                    for _ in range(8)]
         width = max(map(len, replies))
         ids = torch.tensor([prompt + r + [0] * (width - len(r)) for r in replies])
-        labels = torch.tensor([[-100] * len(prompt) + r + [-100] * (width - len(r)) for r in replies])
-        loss = model(input_ids=ids, labels=labels).loss
+        labels = torch.tensor([r + [-100] * (width - len(r)) for r in replies])
+        logits = model(input_ids=ids, logits_to_keep=width + 1).logits[:, :-1]  # only the reply positions
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -86,3 +86,21 @@ def test_adapter_round_trip_and_hot_swap(tiny_model, tokenizer, trajectories, tm
         assert torch.allclose(sampler.model(input_ids=ids).logits, want, atol=1e-5)
     out = sampler.generate([trajectories[0].token_ids[:5]], SamplingParams(0.0, 1.0, 3))
     assert out[0].adapter_version == 2
+
+
+def test_zero_advantage_trajectories_cost_nothing_and_change_nothing(tiny_model, trajectories):
+    """A = 0 contributes exactly zero gradient: such trajectories skip the forward pass, and a
+    batch of only A = 0 (zero-variance groups) makes no optimizer step at all."""
+    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    before = {k: v.clone() for k, v in learner.model.named_parameters() if v.requires_grad}
+    stats = learner.update([(t, 0.0) for t in trajectories])
+    assert not stats.stepped and stats.step_tokens_trained == 0 and stats.grad_l2_norm == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters() if v.requires_grad)
+
+    # mixed batch: same gradient as the nonzero part alone (seq-sum divides by the whole N)
+    a = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    b = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    sa = a.update([(trajectories[0], 1.0), (trajectories[1], -1.0), (trajectories[2], 0.0)])
+    sb = b.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
+    assert sa.step_tokens_trained == sb.step_tokens_trained
+    assert sa.grad_l2_norm == pytest.approx(sb.grad_l2_norm * 2 / 3, rel=1e-5)

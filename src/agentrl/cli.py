@@ -286,7 +286,28 @@ def train_cmd(
         if resume is None:
             start_run(run, cfg, force)
         train(cfg, run, resume=resume is not None, hooks=hooks)
-    console.print(f"wrote {run / 'metrics.jsonl'}; report with `agentrl report {run}`")
+    print_curve(run / "metrics.jsonl")
+    console.print(f"wrote {run / 'metrics.jsonl'}; figures and tables with `agentrl report {run}`")
+
+
+def print_curve(metrics_file: Path) -> None:
+    """The learning curve of a run: one row per iteration, held-out success where evaluated."""
+    import json
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    evals = {r["iteration"]: r["success"] for r in rows if r["kind"] == "eval"}
+    table = Table(title=f"learning curve · {metrics_file.parent}")
+    for col in ("iteration", "train reward", "groups cut", "zero-variance", "step-tokens gen/trained", "held-out success"):
+        table.add_column(col, justify="right")
+    if 0 in evals:
+        table.add_row("0", "", "", "", "", f"{100 * evals[0]:.1f}%")
+    for r in rows:
+        if r["kind"] == "iteration":
+            reward = "-" if r["train_reward"] is None else f"{r['train_reward']:.3f}"
+            held = f"{100 * evals[r['iteration']]:.1f}%" if r["iteration"] in evals else ""
+            table.add_row(str(r["iteration"]), reward, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
+                          f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", held)
+    console.print(table)
 
 
 def offpolicy_cmd(cfg, buffer_path: Path, out: Optional[Path], steps: int, groups_per_step: int, positions: int,

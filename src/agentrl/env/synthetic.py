@@ -36,7 +36,7 @@ def task(game_id: str) -> tuple[str, list[str], str]:
     obj = rng.choice(OBJECTS)
     recep, other_recep = rng.sample(RECEPTACLES, 2)
     target = f"move {obj} 1 to {recep} 1"
-    commands = [target, f"move {obj} 1 to {other_recep} 1"]
+    commands = [target, f"go to {recep} 1", f"take {obj} 1 from {other_recep} 1", f"examine {obj} 1"]
     rng.shuffle(commands)
     return f"put a {obj} in the {recep}", commands, target
 

@@ -208,8 +208,9 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
         sampler.load_adapter(str(last / "adapter"), state.adapter_version)
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
     E, row = cfg.train.eval_every, {}
+    eval_steps = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
     if state.iteration == 0 and tasks.held_out:  # iteration 0: the base policy, before any update
-        hooks.phase("eval", len(tasks.held_out))
+        hooks.phase("eval", eval_steps)
         row = evaluate(cfg, sampler, tasks.held_out, 0, state.adapter_version, hooks.step)
         state.elapsed_s += row["eval_s"]
         metrics.append(row)
@@ -241,7 +242,7 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
                        f"(> {cfg.train.logprob_gap_warn}): a stale adapter or a tokenisation mismatch")
         eval_row = None
         if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
-            hooks.phase("eval", len(tasks.held_out))
+            hooks.phase("eval", eval_steps)
             eval_row = evaluate(cfg, sampler, tasks.held_out, it, learner.version, hooks.step)
         t4 = time.perf_counter()
         state.iteration, state.adapter_version = it, learner.version
