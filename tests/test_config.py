@@ -81,6 +81,38 @@ def test_bad_rollout_settings(overrides, message):
         load_config(None, overrides)
 
 
+def test_tier_configs_hold_the_papers_defaults():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    t3 = load_config(root / "tier3.yaml")
+    assert (t3.train.iterations, t3.rollout.tasks, t3.rollout.group_size, t3.env.max_steps) == (60, 10, 8, 30)
+    assert (t3.learner.lora_r, t3.learner.lora_alpha, t3.learner.lr, t3.rollout.gate) == (16, 32, 5e-5, "10,0.12")
+    assert set(t3.learner.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (t3.train.eval_every, t3.train.eval_tasks, t3.sampling.temperature) == (10, 50, 0.7)
+    t2 = load_config(root / "tier2.yaml")
+    assert (t2.learner.lora_r, t2.learner.lora_alpha, t2.learner.target_modules) == (8, 16, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"learner.lr": -1e-4}, "learner.lr must be > 0"),
+        ({"learner.loss_agg": "sum"}, "learner.loss_agg must be one of"),
+        ({"learner.lora_r": 0}, "learner.lora_r must be >= 1"),
+        ({"learner.target_modules": []}, "at least one module"),
+        ({"train.advantage": "ppo"}, "train.advantage must be one of"),
+        ({"train.iterations": -1}, "train.iterations must be >= 0"),
+        ({"train.eval_split": "test"}, "unknown split 'test'"),
+        ({"env.kind": "minigrid"}, "env.kind must be 'alfworld' or 'synthetic'"),
+        ({"learner.lrr": 0.1}, r"unknown config key 'learner.lrr'.*did you mean"),
+    ],
+)
+def test_bad_training_settings(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
 def test_gate_default_is_the_paper_operating_point():
     from agentrl.rollout.gate import Gate
 

@@ -297,7 +297,7 @@ def print_curve(metrics_file: Path) -> None:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     evals = {r["iteration"]: r["success"] for r in rows if r["kind"] == "eval"}
     table = Table(title=f"learning curve · {metrics_file.parent}")
-    for col in ("iteration", "train reward", "groups cut", "zero-variance", "step-tokens gen/trained", "held-out success"):
+    for col in ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out"):
         table.add_column(col, justify="right")
     if 0 in evals:
         table.add_row("0", "", "", "", "", f"{100 * evals[0]:.1f}%")
@@ -343,10 +343,13 @@ def offpolicy_cmd(cfg, buffer_path: Path, out: Optional[Path], steps: int, group
     console.print(f"wrote {out / 'offpolicy.json'} and {out / 'offpolicy.md'}")
 
 
+SHORT_TYPE = dict(zip(TASK_TYPES, ("pick", "pick2", "clean", "heat", "cool", "look")))
+
+
 def metrics_line(row: dict, iterations: int) -> str:
     """One line per metrics row: what a user watches while the run goes."""
     if row["kind"] == "eval":
-        types = "  ".join(f"{k.split('_')[0]}:{100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
+        types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
         return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{100 * row['success']:.1f}%[/] "
                 f"({row['tasks']} tasks, {row['split']})  {types}  {row['eval_s']:.1f}s")
 
