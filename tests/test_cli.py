@@ -113,5 +113,26 @@ def test_train_refuses_a_run_directory_in_use(tmp_path):
     (run / "metrics.jsonl").write_text('{"kind": "iteration", "iteration": 1}\n')
     assert_clean_error(agentrl("train", "--out", str(run)), r"already holds a run; continue it with --resume")
     assert_clean_error(agentrl("train", "--resume", str(run)), r"cannot resume .*no config.yaml")
-    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations may change")
+    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations and the devices may change")
     assert (run / "metrics.jsonl").read_text() == '{"kind": "iteration", "iteration": 1}\n'
+
+
+def test_doctor_reports_what_this_machine_has(data_root, tmp_path):
+    proc = agentrl("doctor", "--data", str(data_root), env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+
+    def row(what):
+        return next(ln for ln in lines if f" {what} " in ln)
+
+    assert "600 game files" in row("ALFWorld train") and "✓" in row("ALFWorld train")
+    assert "140 game files" in row("ALFWorld valid_seen")
+    assert "SmolLM2-135M-Instruct" in row("default model")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # CPU machines
+        assert "pip install 'agentrl[vllm]'" in row("vLLM (--sampler vllm)")
+    proc = agentrl("doctor", "--data", str(tmp_path / "none"), env={"COLUMNS": "200",
+                                                                    "AGENTRL_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0
+    assert "agentrl model prepare" in proc.stdout and "no ALFWorld data at" in proc.stdout

@@ -37,7 +37,7 @@ def run_train(run: Path, cfg, resume=False):
     if not resume:
         start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
     else:
-        cfg = prepare_run(run, None, resume=True, force=False, iterations=cfg.train.iterations)
+        cfg = prepare_run(run, None, resume=True, force=False, overrides={"train.iterations": cfg.train.iterations})
     return train(cfg, run, resume=resume)
 
 
@@ -140,3 +140,52 @@ def test_tier2_offpolicy_ab_from_the_command_line(tmp_path, tiny_actor_dir):
     assert gated["items"] <= base["items"]
     for row in ("total step wall-clock", "train items", "groups cut", "mean gradient L2 norm"):
         assert row in out and row in (tmp_path / "ab" / "offpolicy.md").read_text()
+
+
+def test_two_process_layout_trains_and_the_sampler_uses_the_learners_adapter(tmp_path, tiny_actor_dir, tokenizer):
+    """The learner in its own spawned process (train.layout split, both on CPU here): two
+    iterations give the same losses as one process, and the sampler's logits are those of the
+    adapter version the learner process wrote (loaded independently with PEFT)."""
+    import copy
+
+    import torch
+    from peft import PeftModel
+
+    from agentrl.models import load_model
+    from agentrl.sampling import make_sampler
+
+    def two_iterations(run, layout):
+        cfg = tiny_cfg(tiny_actor_dir, **{"train.iterations": 2, "train.eval_tasks": 0, "train.layout": layout})
+        start_run(run, cfg, force=False)
+        sampler = make_sampler(cfg)
+        train(cfg, run, sampler=sampler)
+        return sampler, [r for r in read_metrics(run) if r["kind"] == "iteration"]
+
+    sampler, split = two_iterations(tmp_path / "split", "split")
+    _, colocated = two_iterations(tmp_path / "colocate", "colocate")
+    keys = ("loss", "grad_l2_norm", "step_tokens_trained", "adapter_version")
+    assert [{k: r[k] for k in keys} for r in split] == [{k: r[k] for k in keys} for r in colocated]
+    version = split[-1]["adapter_version"]
+    assert version >= 1 and sampler.adapter_version == version
+    base = load_model(str(tiny_actor_dir), "float32", "cpu", False)[0]
+    reference = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "split" / "adapters" / f"v{version}")).eval()
+    ids = torch.tensor([tokenizer("Action: move mug 1 to fridge 1", add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        assert torch.allclose(sampler.model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5)
+
+
+def test_a_dead_learner_process_is_a_clear_error(tmp_path, tiny_actor_dir):
+    import os
+    import signal
+
+    from agentrl.train.remote import LearnerDied, RemoteLearner, TrainItem
+
+    learner = RemoteLearner(tiny_cfg(tiny_actor_dir))
+    assert learner.pid != os.getpid() and learner.process.is_alive()
+    os.kill(learner.pid, signal.SIGKILL)
+    item = TrainItem([1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -1.0, -1.0])
+    with pytest.raises(LearnerDied, match=r"the learner process \(pid \d+\) died during update \(exit code -9\)"):
+        learner.update([(item, 1.0)])
+    learner.close()
+    assert not learner.process.is_alive()

@@ -237,6 +237,10 @@ def train_cmd(
     seed: Annotated[Optional[int], typer.Option(help="Run seed (tasks, sampling, LoRA init).")] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
+    sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
+    learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
+    colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
+    layout: Annotated[Optional[str], typer.Option(help="auto | colocate | split (split on CPU: the two-process layout).")] = None,
     off_policy: Annotated[Optional[Path], typer.Option("--off-policy", help="Tier 2: train on this frozen buffer (trajectories.jsonl of `agentrl rollout --gate off`).")] = None,
     steps: Annotated[int, typer.Option(help="Tier 2: optimizer steps per arm.")] = 20,
     groups_per_step: Annotated[int, typer.Option(help="Tier 2: groups sampled per step.")] = 4,
@@ -255,15 +259,19 @@ def train_cmd(
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
         "train.advantage": advantage, "train.dapo_filter": dapo_filter, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
+        "model.device": sampler_device, "learner.device": learner_device,
+        "train.layout": "colocate" if colocate else layout,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
-        changed = [k for k, v in overrides.items() if v is not None and k != "train.iterations"]
+        may_change = ("train.iterations", "model.device", "learner.device", "train.layout")
+        changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
-            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations may change "
-                            f"(got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
-        run, cfg = resume, prepare_run(resume, None, resume=True, force=False, iterations=iterations)
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations and the devices "
+                            f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
+        run = resume
+        cfg = prepare_run(resume, None, resume=True, force=False, overrides={k: overrides[k] for k in may_change})
     else:
         run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg = prepare_run(run, load_config(config, overrides), resume=False, force=force)
@@ -427,6 +435,27 @@ def report_cmd(
     if len(runs) > 1 and not rep["pairs"]:
         console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
     console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
+
+
+# ---------------------------------------------------------------- doctor
+@app.command("doctor")
+def doctor_cmd(data: DataOpt = None) -> None:
+    """What this machine can run (CUDA devices, vLLM, the default model, ALFWorld data) and what to fix."""
+    from rich.markup import escape
+
+    from agentrl.doctor import run_checks
+
+    checks = run_checks(data)
+    table = Table(title="agentrl doctor")
+    for col in ("", "what", "found", "to fix"):
+        table.add_column(col)
+    mark = {"ok": "[green]✓", "warn": "[yellow]![/]", "missing": "[red]✗"}
+    for c in checks:
+        table.add_row(mark[c.status], escape(c.what), escape(c.detail), escape(c.fix))
+    console.print(table)
+    missing = [c.what for c in checks if c.status == "missing"]
+    console.print("everything the CPU path needs is here" if not any(
+        c.status == "missing" and not c.what.startswith("vLLM") for c in checks) else f"missing: {', '.join(missing)}")
 
 
 # ---------------------------------------------------------------- model

@@ -64,6 +64,9 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 96
     batch_size: int = 64  # sequences per generate call (live trajectories are chunked)
+    gpu_memory_utilization: float = 0.85  # vllm: fraction of GPU memory for weights, activations and KV cache
+    max_model_len: int | None = None  # vllm: longest prompt + completion in tokens (None: the model's own limit)
+    max_loras: int = 2  # vllm: LoRA adapters resident at once (the current version and the one being swapped in)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class LearnerConfig:
     micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation; same gradient)
     loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
     gradient_checkpointing: bool = False
+    device: str | None = None  # None: the sampler's (model.device); e.g. cuda:1 for the two-device layout
 
 
 @dataclass
@@ -122,6 +126,9 @@ class TrainConfig:
     logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
     keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
+    # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;
+    # auto: split when the learner has its own CUDA device, else colocate
+    layout: str = "auto"
 
 
 @dataclass
@@ -146,6 +153,9 @@ class Config:
             (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}"),
             (self.sampling.batch_size >= 1, f"sampling.batch_size must be >= 1, got {self.sampling.batch_size}"),
             (self.sampling.backend in ("hf", "vllm"), f"sampling.backend must be 'hf' or 'vllm', got {self.sampling.backend!r}"),
+            (0 < self.sampling.gpu_memory_utilization <= 1, f"sampling.gpu_memory_utilization must be in (0, 1], got {self.sampling.gpu_memory_utilization}"),
+            (self.sampling.max_model_len is None or self.sampling.max_model_len >= 1, f"sampling.max_model_len must be >= 1, got {self.sampling.max_model_len}"),
+            (self.sampling.max_loras >= 1, f"sampling.max_loras must be >= 1, got {self.sampling.max_loras}"),
             (self.eval.split in SPLITS, f"unknown split {self.eval.split!r}; choose one of {', '.join(SPLITS)}"),
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
@@ -188,6 +198,7 @@ class Config:
             (tc.logprob_gap_warn > 0, f"train.logprob_gap_warn must be > 0, got {tc.logprob_gap_warn}"),
             (tc.max_bad_updates >= 1, f"train.max_bad_updates must be >= 1, got {tc.max_bad_updates}"),
             (tc.keep_adapters >= 1, f"train.keep_adapters must be >= 1, got {tc.keep_adapters}"),
+            (tc.layout in ("auto", "colocate", "split"), f"train.layout must be auto, colocate or split, got {tc.layout!r}"),
         ]:
             if not ok:
                 raise UserError(message)

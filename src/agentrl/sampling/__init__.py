@@ -6,11 +6,25 @@ __all__ = ["Completion", "Sampler", "SamplingParams", "make_sampler"]
 
 
 def make_sampler(cfg, model=None, tokenizer=None) -> Sampler:
-    """The sampler named by cfg.sampling.backend; vLLM is imported only when asked for."""
+    """The sampler named by cfg.sampling.backend; vLLM is imported only when asked for.
+    `model`/`tokenizer` are reused by the hf backend; vLLM loads its own copy of the weights."""
+    from agentrl.errors import UserError
+
     if cfg.sampling.backend == "hf":
         from agentrl.sampling.hf import HFSampler
 
         return HFSampler.from_config(cfg, model=model, tokenizer=tokenizer)
-    from agentrl.errors import UserError
+    if cfg.sampling.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise UserError("sampler backend 'vllm' needs vLLM and a GPU: pip install 'agentrl[vllm]' "
+                            "on a CUDA machine, or use --sampler hf") from None
+        except Exception as e:  # e.g. a vLLM build that does not match the installed CUDA/torch
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(f"vLLM is installed but fails to import ({e.__class__.__name__}: {first}); "
+                            "use --sampler hf") from None
+        from agentrl.sampling.vllm import VLLMSampler
 
-    raise UserError(f"sampler backend {cfg.sampling.backend!r} is not available yet; use --sampler hf")
+        return VLLMSampler.from_config(cfg)
+    raise UserError(f"sampler backend {cfg.sampling.backend!r} is not available; use --sampler hf or --sampler vllm")

@@ -17,8 +17,6 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_text
 
@@ -56,10 +54,7 @@ def save(run: Path, state: TrainState, learner) -> Path:
     final = root / f"it{state.iteration:05d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-"))
     try:
-        learner.model.save_pretrained(tmp / "adapter", safe_serialization=True)
-        torch.save(learner.optimizer.state_dict(), tmp / "optimizer.pt")
-        # torch's global RNG drives LoRA dropout; rollouts use per-row seeds, tasks their own generator
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+        learner.save_state(tmp)  # adapter, optimizer, RNG (the learner may live in another process)
         (tmp / STATE).write_text(json.dumps(asdict(state)))
         _fsync_tree(tmp)
         if final.exists():  # a previous attempt at this iteration that never became `latest`
@@ -87,16 +82,7 @@ def latest(run: Path) -> Path | None:
 
 
 def load(path: Path, learner) -> TrainState:
-    """Restore the learner's adapter weights and optimizer, the global RNGs; return the loop state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
+    """Restore the learner's adapter weights, optimizer and RNG; return the loop state."""
     state = TrainState(**json.loads((path / STATE).read_text()))
-    weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(learner.device))
-    result = set_peft_model_state_dict(learner.model, weights)
-    if getattr(result, "unexpected_keys", None):
-        raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
-    learner.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=learner.device))
-    learner.version = state.adapter_version
-    torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
+    learner.load_state(path, state.adapter_version)
     return state

@@ -112,3 +112,25 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+    def save_state(self, path: Path) -> None:
+        """Adapter, optimizer and torch RNG into `path` (part of a checkpoint; the caller makes it atomic)."""
+        self.model.save_pretrained(path / "adapter", safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")  # LoRA dropout draws from it
+
+    def load_state(self, path: Path, version: int) -> None:
+        """Restore what `save_state` wrote; loads weights only (safetensors, weights_only=True)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from agentrl.errors import UserError
+
+        weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, weights)
+        if getattr(result, "unexpected_keys", None):
+            raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
+        torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
+        self.version = version
+

@@ -150,16 +150,16 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
 
 
 # ---------------------------------------------------------------- run directory
-def prepare_run(run: Path, cfg: Config | None, resume: bool, force: bool, iterations: int | None = None) -> Config:
+def prepare_run(run: Path, cfg: Config | None, resume: bool, force: bool, overrides: dict | None = None) -> Config:
     """Check the run directory before anything is loaded; return the config the run uses.
 
     A fresh run refuses a directory that already holds a run (unless --force); --resume reads
-    the run's own config.yaml (only the iteration count may change)."""
+    the run's own config.yaml (`overrides`: only the iteration count and devices may change)."""
     config_file = run / "config.yaml"
     if resume:
         if not config_file.is_file():
             raise UserError(f"cannot resume {run}: no config.yaml there (not an agentrl train run directory)")
-        return load_config(config_file, {"train.iterations": iterations})
+        return load_config(config_file, overrides)
     assert cfg is not None
     if run.exists() and any(run.iterdir()):
         if not force:
@@ -189,16 +189,25 @@ class Hooks:
 
 def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None) -> dict:
     """Run (or continue) a training run in `run`; return the last iteration's metrics line."""
-    from agentrl.models import load_model
     from agentrl.sampling import make_sampler
-    from agentrl.train.learner import Learner
+    from agentrl.train.remote import LearnerDied, make_learner
 
     hooks = hooks or Hooks()
     tasks = TaskSampler(cfg)
-    gate = cfg.rollout.parsed_gate()
     sampler = sampler or make_sampler(cfg)
-    learner = learner or Learner(load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)[0],
-                                 cfg.learner, seed=cfg.seed)
+    owned = learner is None
+    learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
+    try:
+        return _loop(cfg, run, resume, hooks, tasks, sampler, learner)
+    except LearnerDied as e:
+        raise LearnerDied(f"{e}; the run keeps its last complete iteration: continue with `agentrl train --resume {run}`") from None
+    finally:
+        if owned and hasattr(learner, "close"):
+            learner.close()
+
+
+def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner) -> dict:
+    gate = cfg.rollout.parsed_gate()
     metrics = Metrics(run / "metrics.jsonl")
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None

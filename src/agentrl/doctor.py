@@ -1,0 +1,91 @@
+"""`agentrl doctor`: what this machine can run, and what to fix.
+
+Each check returns (what, status, detail, fix): status "ok", "warn" (works, but slower or
+partial) or "missing" (a command that needs it will refuse to run).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+from dataclasses import dataclass
+
+
+@dataclass
+class Check:
+    what: str
+    status: str  # ok | warn | missing
+    detail: str
+    fix: str = ""
+
+
+def check_python_and_torch() -> list[Check]:
+    import torch
+
+    out = [Check("python", "ok", f"{platform.python_version()} ({platform.machine()})")]
+    out.append(Check("torch", "ok", f"{torch.__version__}, {torch.get_num_threads()} CPU threads"))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n:
+        names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n))
+        out.append(Check("CUDA devices", "ok", f"{n}: {names}"))
+        if n == 1:
+            out.append(Check("two-device layout", "warn", "one GPU: sampler and learner share it (--colocate)",
+                             "a second GPU allows --sampler-device cuda:0 --learner-device cuda:1"))
+        else:
+            out.append(Check("two-device layout", "ok", "--sampler-device cuda:0 --learner-device cuda:1"))
+    else:
+        out.append(Check("CUDA devices", "warn", "none: the CPU path runs (hf sampler, small models)",
+                         "for vLLM and the paper's tiers: a machine with NVIDIA GPUs and a CUDA build of torch"))
+    return out
+
+
+def check_vllm() -> Check:
+    if importlib.util.find_spec("vllm") is None:
+        return Check("vLLM (--sampler vllm)", "missing", "not installed", "pip install 'agentrl[vllm]' (needs a GPU)")
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    return Check("vLLM (--sampler vllm)", "ok", f"importable, {version}")
+
+
+def check_default_model() -> Check:
+    from agentrl.models import default_model_dir, is_prepared
+
+    path = default_model_dir()
+    if is_prepared(path):
+        return Check("default model", "ok", f"SmolLM2-135M-Instruct at {path}")
+    return Check("default model", "missing", f"not prepared (looked at {path})", "agentrl model prepare")
+
+
+def check_data(data=None) -> list[Check]:
+    from agentrl.config import SPLITS
+    from agentrl.env.data import HOW_TO_GET, iter_game_files, resolve_data_root
+    from agentrl.errors import UserError
+
+    root = resolve_data_root(data)
+    out = []
+    for split in SPLITS:
+        try:
+            n = sum(1 for _ in iter_game_files(root, split))
+        except UserError as e:
+            out.append(Check(f"ALFWorld {split}", "missing", str(e).split(";")[0], HOW_TO_GET))
+            continue
+        out.append(Check(f"ALFWorld {split}", "ok" if n else "missing", f"{n} game files under {root}",
+                         "" if n else HOW_TO_GET))
+    return out
+
+
+def check_engine() -> Check:
+    try:
+        import textworld  # noqa: F401
+        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the finding
+        return Check("ALFWorld engine", "missing", f"{e.__class__.__name__}: {e}", "pip install -e . (alfworld, textworld)")
+    return Check("ALFWorld engine", "ok", f"textworld {importlib.metadata.version('textworld')}, "
+                                          f"alfworld {importlib.metadata.version('alfworld')}")
+
+
+def run_checks(data=None) -> list[Check]:
+    return [*check_python_and_torch(), check_vllm(), check_default_model(), check_engine(), *check_data(data)]

@@ -1,0 +1,160 @@
+"""The learner in its own process: the two-device layout.
+
+The sampler stays in the main process on its device; the learner lives in a spawned process
+on its own device (`--learner-device cuda:1`). The main process sends training batches as
+plain token ids, masks, sampler log-probs and advantages, and gets back the update's metrics
+and the new adapter version, written to the run's versioned adapter directory; the sampler
+then hot-swaps it. Checkpoint state is written and read by the learner process itself.
+
+`RemoteLearner` has the same methods the loop uses on `Learner` (update, save_adapter,
+save_state, load_state, version), so the loop does not know which layout it drives. If the
+learner process dies, the next call raises `LearnerDied` at once (we poll the process while
+waiting) instead of hanging; the run is resumable from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.errors import UserError
+
+
+class LearnerDied(UserError):
+    """The learner process exited; the run stops and can be resumed."""
+
+
+@dataclass
+class TrainItem:
+    """What the learner needs of a trajectory (it never sees games or text)."""
+
+    token_ids: list[int]
+    action_mask: list[int]
+    logprobs: list[float]
+
+
+def resolve_layout(cfg) -> str:
+    """colocate | split for this config (auto: split only when the learner has its own CUDA device)."""
+    layout = cfg.train.layout
+    if layout != "auto":
+        return layout
+    learner_device = cfg.learner.device
+    if learner_device and learner_device.startswith("cuda") and learner_device != cfg.model.device:
+        return "split"
+    return "colocate"
+
+
+def make_learner(cfg):
+    """The learner for cfg's layout: in this process, or in its own."""
+    if resolve_layout(cfg) == "split":
+        return RemoteLearner(cfg)
+    from agentrl.models import load_model
+    from agentrl.train.learner import Learner
+
+    device = cfg.learner.device or cfg.model.device
+    model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
+    return Learner(model, cfg.learner, seed=cfg.seed)
+
+
+def _serve(conn, cfg) -> None:
+    """The learner process: load the model on its device, then answer requests until 'close'."""
+    from agentrl.models import load_model
+    from agentrl.train.learner import Learner
+
+    try:
+        device = cfg.learner.device or cfg.model.device
+        learner = Learner(load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0],
+                          cfg.learner, seed=cfg.seed)
+    except BaseException as e:  # noqa: BLE001 - reported to the main process as one line
+        conn.send(("error", f"{e.__class__.__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        op, args = conn.recv()
+        if op == "close":
+            conn.send(("ok", None))
+            return
+        try:
+            if op == "update":
+                result = learner.update([(TrainItem(*item), adv) for item, adv in args])
+            elif op == "save_adapter":
+                result = (str(learner.save_adapter(Path(args))), learner.version)
+            elif op == "save_state":
+                result = learner.save_state(Path(args))
+            elif op == "load_state":
+                result = learner.load_state(Path(args[0]), args[1])
+            elif op == "pid":
+                import os
+
+                result = os.getpid()
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{e.__class__.__name__}: {e}"))
+        else:
+            conn.send(("ok", result))
+
+
+class RemoteLearner:
+    def __init__(self, cfg, start_timeout_s: float = 600.0):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: its own CUDA context and device
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, cfg), name="agentrl-learner", daemon=True)
+        self.process.start()
+        child.close()
+        self.version = 0
+        self._call(None, None, timeout_s=start_timeout_s)  # wait until the model is loaded
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _call(self, op: str | None, args, timeout_s: float | None = None):
+        import time
+
+        what = op or "start-up"
+        try:
+            if op is not None:
+                self._conn.send((op, args))
+            start = time.monotonic()
+            while not self._conn.poll(0.2):
+                if not self.process.is_alive():
+                    raise EOFError
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise LearnerDied(f"the learner process (pid {self.pid}) did not answer {what} within {timeout_s:.0f}s")
+            status, result = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            self.process.join(timeout=5)
+            raise LearnerDied(f"the learner process (pid {self.pid}) died during {what} "
+                              f"(exit code {self.process.exitcode})") from None
+        if status == "error":
+            raise UserError(f"learner process: {result}")
+        return result
+
+    def update(self, batch):
+        items = [((list(t.token_ids), list(t.action_mask), list(t.logprobs)), float(a)) for t, a in batch]
+        return self._call("update", items)
+
+    def save_adapter(self, root: Path) -> Path:
+        path, self.version = self._call("save_adapter", str(root))
+        return Path(path)
+
+    def save_state(self, path: Path) -> None:
+        self._call("save_state", str(path))
+
+    def load_state(self, path: Path, version: int) -> None:
+        self._call("load_state", (str(path), version))
+        self.version = version
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._call("close", None, timeout_s=30)
+            except UserError:
+                pass
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()

@@ -1,0 +1,343 @@
+"""The vLLM sampler backend against a FAKE vLLM.
+
+vLLM cannot run on CI machines (it needs a GPU), so these tests replace it with fakes: a
+`vllm` module injected into sys.modules (SamplingParams, inputs.TokensPrompt,
+lora.request.LoRARequest and LLM classes that record how they were built), so the backend's
+lazy imports resolve to it, and an engine that records every call and answers with canned
+outputs. They check the contract between our code and vLLM's documented offline API: what we
+send (token-id prompts, one SamplingParams per prompt with its seed, log-probs requested,
+stop ids, a fresh LoRARequest per adapter version) and how we convert what comes back.
+Running the real engine is left to GPU machines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.errors import UserError
+from agentrl.sampling.base import SamplingParams
+from agentrl.sampling.hf import stop_token_ids
+from agentrl.sampling.vllm import VLLMSampler, engine_lora_rank
+
+
+# ------------------------------------------------------------------ the fake vllm module
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.__dict__.update(kwargs)
+
+
+class FakeTokensPrompt(dict):
+    """vllm.inputs.TokensPrompt is a TypedDict: calling it gives a dict."""
+
+
+class FakeLoRARequest:
+    def __init__(self, lora_name, lora_int_id, lora_path):
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+
+@dataclass
+class FakeEngineArgs:
+    logprobs_mode: str = "raw_logprobs"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def output(token_ids, logprobs, finish_reason, text=""):
+    """A vllm RequestOutput look-alike: .outputs[0] is the CompletionOutput."""
+    completion = types.SimpleNamespace(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason, text=text)
+    return types.SimpleNamespace(outputs=[completion])
+
+
+class RecordingEngine:
+    """Fake `vllm.LLM`: records constructor kwargs, generate calls and LoRA adds/removes; answers
+    each prompt with the next canned output (or a default one)."""
+
+    instances: list["RecordingEngine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[dict] = []
+        self.added: list[FakeLoRARequest] = []
+        self.removed: list[int] = []
+        self.canned: list = []
+        self.fail_add: Exception | None = None
+        self.llm_engine = self  # add_lora / remove_lora live on llm.llm_engine
+        self.model_config = types.SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 2048)
+        RecordingEngine.instances.append(self)
+
+    def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=True):
+        self.calls.append(dict(prompts=prompts, sampling_params=sampling_params, lora_request=lora_request, use_tqdm=use_tqdm))
+        out = []
+        for _ in prompts:
+            out.append(self.canned.pop(0) if self.canned else output([5], [{5: Logprob(-0.5)}], "length"))
+        return out
+
+    def add_lora(self, request) -> bool:
+        if self.fail_add is not None:
+            raise self.fail_add
+        self.added.append(request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = FakeSamplingParams
+    vllm.LLM = RecordingEngine
+    vllm.EngineArgs = FakeEngineArgs
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = FakeTokensPrompt
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = FakeLoRARequest
+    vllm.inputs, vllm.lora, lora.request = inputs, lora, request
+    for name, module in [("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    RecordingEngine.instances = []
+    return vllm
+
+
+@pytest.fixture
+def engine(fake_vllm):
+    return RecordingEngine()
+
+
+@pytest.fixture
+def sampler(engine, tokenizer):
+    return VLLMSampler(engine, tokenizer, max_lora_rank=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@pytest.fixture
+def prompts(tokenizer):
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in ["Thought: short", "a longer prompt of a few more tokens"]]
+
+
+def write_adapter(path, r=8, target_modules=("q_proj", "v_proj"), peft_type="LORA"):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": peft_type, "r": r, "lora_alpha": 2 * r,
+                                                          "target_modules": list(target_modules)}))
+    return path
+
+
+def one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------ generate: what we send
+
+
+def test_prompts_go_in_as_token_ids_with_one_seeded_params_per_prompt(sampler, engine, tokenizer, prompts):
+    sampler.generate(prompts, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=7), seeds=[5, 6], keys=["a", "b"])
+    (call,) = engine.calls
+    assert all(isinstance(p, FakeTokensPrompt) for p in call["prompts"])
+    assert [p["prompt_token_ids"] for p in call["prompts"]] == prompts
+    params = call["sampling_params"]
+    assert len(params) == 2 and params[0] is not params[1]
+    assert [p.seed for p in params] == [5, 6]
+    for p in params:
+        assert p.temperature == 0.9 and p.top_p == 0.95 and p.max_tokens == 7
+        assert p.logprobs is not None and p.logprobs == 0  # the sampled token's log-prob
+        assert sorted(p.stop_token_ids) == sorted(stop_token_ids(tokenizer))
+        assert tokenizer.convert_tokens_to_ids("<|im_end|>") in p.stop_token_ids
+    assert call["lora_request"] is None  # no adapter loaded: the base model
+    assert call["use_tqdm"] is False
+
+
+def test_greedy_is_temperature_zero(sampler, engine, prompts):
+    sampler.generate(prompts, SamplingParams(temperature=0, top_p=0.5, max_new_tokens=3))
+    for p in engine.calls[0]["sampling_params"]:
+        assert p.temperature == 0.0 and p.top_p == 1.0 and p.seed is None
+
+
+def test_bad_arguments(sampler, prompts):
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        sampler.generate(prompts, SamplingParams(), seeds=[1])
+    with pytest.raises(ValueError, match="one key per prompt"):
+        sampler.generate(prompts, SamplingParams(), keys=["a"])
+    with pytest.raises(ValueError, match="empty prompt"):
+        sampler.generate([[]], SamplingParams())
+    assert sampler.generate([], SamplingParams()) == []
+
+
+def test_prompt_longer_than_max_model_len_is_a_user_error(engine, tokenizer, prompts):
+    sampler = VLLMSampler(engine, tokenizer, max_model_len=len(prompts[1]))
+    with pytest.raises(UserError, match="max_model_len") as e:
+        sampler.generate(prompts, SamplingParams())
+    one_line(e)
+    assert engine.calls == []
+
+
+# ------------------------------------------------------------------ generate: what we return
+
+
+def test_outputs_become_completions(sampler, engine, tokenizer, prompts):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    hello = tokenizer("Action: go", add_special_tokens=False).input_ids
+    engine.canned = [
+        # logprobs=0 still lets vLLM return other entries (e.g. the top-1); we must pick the sampled id's
+        output(hello + [im_end], [{t: Logprob(-0.25 * (j + 1)), 7: Logprob(-0.01)} for j, t in enumerate(hello + [im_end])],
+               "stop", text="vLLM text is not used"),
+        output([11, 12], [{11: Logprob(-1.5)}, {12: Logprob(-2.0), 13: Logprob(-0.1)}], "length"),
+    ]
+    out = sampler.generate(prompts, SamplingParams(max_new_tokens=8), seeds=[1, 2])
+    assert [c.prompt_ids for c in out] == prompts
+    assert out[0].token_ids == hello + [im_end]
+    assert out[0].logprobs == [-0.25 * (j + 1) for j in range(len(hello) + 1)]
+    assert out[0].finish_reason == "stop"
+    assert out[0].text == "Action: go"  # decoded by our tokenizer, special tokens skipped (as in the hf backend)
+    assert out[1].token_ids == [11, 12] and out[1].logprobs == [-1.5, -2.0] and out[1].finish_reason == "length"
+    assert out[1].text == tokenizer.decode([11, 12], skip_special_tokens=True)
+    assert all(c.adapter_version is None for c in out)
+
+
+def test_unexpected_finish_reason_or_missing_logprobs_fail_loudly(sampler, engine, prompts):
+    engine.canned = [output([3], [{3: Logprob(-1.0)}], "abort")]
+    with pytest.raises(RuntimeError, match="abort"):
+        sampler.generate(prompts[:1], SamplingParams())
+    engine.canned = [output([3, 4], None, "length")]
+    with pytest.raises(RuntimeError, match="log-probs"):
+        sampler.generate(prompts[:1], SamplingParams())
+
+
+# ------------------------------------------------------------------ adapters
+
+
+def test_each_adapter_version_is_a_new_lora(sampler, engine, prompts, tmp_path, caplog):
+    v1, v2 = write_adapter(tmp_path / "v1"), write_adapter(tmp_path / "v2", r=16)
+    params = SamplingParams(max_new_tokens=2)
+    with caplog.at_level(logging.INFO, logger="agentrl.sampling.vllm"):
+        sampler.load_adapter(str(v1), version=1)
+    assert sampler.adapter_version == 1 and sampler.swap_s is not None and sampler.swap_s >= 0
+    assert any("loaded in" in r.getMessage() and " s" in r.getMessage() for r in caplog.records)
+    out = sampler.generate(prompts, params)
+    first = engine.calls[-1]["lora_request"]
+    assert (first.lora_name, first.lora_int_id, first.lora_path) == ("v1", 1, str(v1.resolve()))
+    assert engine.added == [first] and engine.removed == []
+    assert [c.adapter_version for c in out] == [1, 1]
+
+    sampler.load_adapter(str(v2), version=2)
+    out = sampler.generate(prompts, params)
+    second = engine.calls[-1]["lora_request"]
+    assert (second.lora_name, second.lora_int_id, second.lora_path) == ("v2", 2, str(v2.resolve()))
+    assert engine.removed == [1]  # hot-swap: the previous version leaves the engine
+    assert [c.adapter_version for c in out] == [2, 2]
+
+    sampler.load_adapter(str(v2), version=2)  # reloading (e.g. on resume) still gets a fresh id
+    assert engine.added[-1].lora_int_id == 3 and engine.removed == [1, 2]
+
+
+def test_adapter_given_at_construction_is_version_0(engine, tokenizer, tmp_path):
+    sampler = VLLMSampler(engine, tokenizer, max_lora_rank=8, target_modules=["q_proj", "v_proj"],
+                          adapter=str(write_adapter(tmp_path / "a")))
+    assert sampler.adapter_version == 0 and engine.added[0].lora_name == "v0"
+
+
+def test_bad_adapters_are_one_line_user_errors(sampler, engine, tmp_path):
+    good = write_adapter(tmp_path / "good")
+    sampler.load_adapter(str(good), version=4)
+    cases = [
+        (tmp_path / "missing", "no adapter_config.json"),
+        (tmp_path, "no adapter_config.json"),  # exists but is not an adapter
+        (write_adapter(tmp_path / "big", r=32), "rank 32.*max_lora_rank 16"),
+        (write_adapter(tmp_path / "mlp", target_modules=("q_proj", "gate_proj")), "gate_proj"),
+        (write_adapter(tmp_path / "ia3", peft_type="IA3"), "LoRA adapters only"),
+    ]
+    for path, pattern in cases:
+        with pytest.raises(UserError, match=pattern) as e:
+            sampler.load_adapter(str(path), version=5)
+        one_line(e)
+    engine.fail_add = ValueError("size mismatch for base_model.model.layers.0.q_proj.lora_A\nmore detail")
+    with pytest.raises(UserError, match="does not fit the base model: ValueError: size mismatch") as e:
+        sampler.load_adapter(str(write_adapter(tmp_path / "other-base")), version=5)
+    one_line(e)
+    # a failed swap keeps serving the previous adapter
+    assert sampler.adapter_version == 4 and sampler._lora.lora_path == str(good.resolve())
+    assert engine.removed == []
+
+
+def test_engine_lora_rank_rounds_up_to_what_vllm_accepts():
+    assert [engine_lora_rank(r) for r in (1, 4, 8, 9, 16, 17, 64, 300)] == [8, 8, 8, 16, 16, 32, 64, 320]
+    with pytest.raises(UserError, match="lora_r=1024"):
+        engine_lora_rank(1024)
+
+
+# ------------------------------------------------------------------ building from the config
+
+
+def test_from_config_starts_the_engine_for_lora_prefix_caching_and_raw_logprobs(fake_vllm, default_model_dir, tmp_path):
+    from agentrl.sampling import make_sampler
+
+    adapter = write_adapter(tmp_path / "start", r=8)
+    cfg = load_config(overrides={"sampling.backend": "vllm", "learner.lora_r": 8, "model.adapter": str(adapter), "seed": 3,
+                                 "sampling.max_model_len": 4096, "sampling.gpu_memory_utilization": 0.5})
+    sampler = make_sampler(cfg)
+    assert isinstance(sampler, VLLMSampler)
+    (llm,) = RecordingEngine.instances
+    kw = llm.kwargs
+    assert kw["model"] == str(default_model_dir) and kw["tokenizer"] == str(default_model_dir)
+    assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8 and kw["max_loras"] == 2
+    assert kw["enable_prefix_caching"] is True
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["max_model_len"] == 4096
+    assert kw["dtype"] == "bfloat16" and kw["seed"] == 3 and kw["trust_remote_code"] is False
+    assert kw["logprobs_mode"] == "raw_logprobs"
+    assert sampler.max_model_len == 4096 and sampler.target_modules == cfg.learner.target_modules
+    assert sampler.adapter_version == 0 and llm.added[0].lora_path == str(adapter.resolve())
+
+
+def test_from_config_defaults(fake_vllm, default_model_dir):
+    cfg = load_config(overrides={"sampling.backend": "vllm", "model.dtype": "float16"})
+    sampler = VLLMSampler.from_config(cfg)
+    kw = RecordingEngine.instances[0].kwargs
+    assert kw["max_lora_rank"] == 16 and kw["gpu_memory_utilization"] == 0.85 and kw["max_model_len"] is None
+    assert kw["dtype"] == "float16"
+    assert sampler.max_model_len == 2048  # read back from the engine's model config
+    assert sampler.adapter_version is None and RecordingEngine.instances[0].added == []
+
+
+def test_engine_start_failure_is_a_user_error(fake_vllm, default_model_dir, monkeypatch):
+    def broken(**kwargs):
+        raise ValueError("No available memory for the cache blocks.\nTry increasing `gpu_memory_utilization`")
+
+    monkeypatch.setattr(fake_vllm, "LLM", broken)
+    with pytest.raises(UserError, match="vLLM could not start 'default'.*gpu_memory_utilization") as e:
+        VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm"}))
+    one_line(e)
+
+
+def test_make_sampler_without_vllm_is_a_one_line_user_error(monkeypatch):
+    from agentrl.sampling import make_sampler
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
+    with pytest.raises(UserError, match=r"needs vLLM and a GPU: pip install 'agentrl\[vllm\]'") as e:
+        make_sampler(load_config(overrides={"sampling.backend": "vllm"}))
+    one_line(e)
+
+
+def test_vllm_config_fields_are_validated():
+    for key, value, pattern in [("sampling.gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+                                ("sampling.gpu_memory_utilization", 0, "gpu_memory_utilization"),
+                                ("sampling.max_model_len", 0, "max_model_len"),
+                                ("sampling.max_loras", 0, "max_loras")]:
+        with pytest.raises(UserError, match=pattern):
+            load_config(overrides={key: value})
