@@ -60,6 +60,8 @@ def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_acto
     for r in trained:  # the sampler used exactly the adapter the learner had: same log-probs
         assert r["logprob_gap"] < 1e-3 and r["grad_l2_norm"] > 0
     assert its[-1]["adapter_version"] == len(trained)
+    for before, row in zip([0] + [r["adapter_version"] for r in its], its):  # each rollout used the latest version
+        assert row["rollout_adapter_versions"] == [before]
     assert (run / "checkpoints" / "latest").read_text().strip() == "it00003"
     assert len(list((run / "adapters").glob("v*"))) <= 2  # older versions pruned
     assert evals[0]["adapter_version"] == 0 and set(evals[0]["by_task_type"]) == {"synthetic_choice"}

@@ -34,7 +34,7 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML 
 ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a local HF model directory, or a hub id.")]
 AdapterOpt = Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")]
 MaxNewTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget of one reply.")]
-SamplerOpt = Annotated[Optional[str], typer.Option(help="Sampler backend: hf.")]
+SamplerOpt = Annotated[Optional[str], typer.Option(help="Sampler backend: hf (transformers, CPU or GPU) | vllm (GPU, LoRA hot-swap).")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 

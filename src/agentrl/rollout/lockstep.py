@@ -64,6 +64,7 @@ class ModelPolicy:
         for t, c in zip(trajs, completions):
             t.append(c.token_ids, generated=True, logprobs=c.logprobs)
             t.step_tokens.append(len(c.token_ids))
+            t.adapter_versions.append(c.adapter_version)
             self._stopped[id(t)] = c.finish_reason == "stop"
         return [c.text for c in completions]
 

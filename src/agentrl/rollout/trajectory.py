@@ -35,6 +35,7 @@ class Trajectory:
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
+    adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
     stop_reason: str | None = None  # won | lost | max_steps | gate_cut | env_error (None while running)
     error: str | None = None
 
@@ -84,4 +85,5 @@ class Trajectory:
         out["action_mask"] = self.action_mask
         out["logprobs"] = self.logprobs
         out["step_tokens"] = self.step_tokens
+        out["adapter_versions"] = self.adapter_versions
         return out

@@ -96,6 +96,8 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         **{k: round(v, 4) for k, v in timings.items()},
         "elapsed_s": round(elapsed_s, 4),
         "adapter_version": adapter_version,
+        # the adapter versions the sampler actually served this iteration's rollouts with (0 = base)
+        "rollout_adapter_versions": sorted({v or 0 for t in rollout.trajectories for v in t.adapter_versions}),
         "logprob_gap": stats.logprob_gap,
         "skipped_update": stats.skipped,
     }
@@ -233,6 +235,10 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
         rollout = roll(cfg, games, policy, gate, on_step=hooks.step)                              # rollout + gate
         t1 = time.perf_counter()
+        served = {v or 0 for t in rollout.trajectories for v in t.adapter_versions}
+        if served - {learner.version}:
+            hooks.warn(f"iteration {it}: rollouts used adapter version(s) {sorted(served)}, the learner is at "
+                       f"v{learner.version}: the sampler did not swap in the latest adapter")
         batch = batch_advantages(rollout.groups, cfg.train.advantage, cfg.train.dapo_filter)     # advantage
         hooks.phase("train")
         stats = learner.update(batch)                                                             # learn

@@ -1,0 +1,242 @@
+"""The Sampler contract (agentrl.sampling.base), checked on every backend that can be built here.
+
+- "hf": HFSampler on the tiny random Llama.
+- "vllm-fake": VLLMSampler on a FAKE vLLM engine. vLLM cannot run on CI machines without a
+  GPU, so a stand-in `vllm` module is injected into sys.modules and the engine is replaced
+  by one that runs the tiny model's forward pass with transformers, request by request,
+  honouring each request's SamplingParams (seed, temperature, top-p, max tokens, stop ids,
+  log-probs) and LoRARequest (a real PEFT adapter). The contract then holds for real, through
+  the backend's own request building and output conversion.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from agentrl.errors import UserError
+from agentrl.sampling.base import Completion, SamplingParams
+
+BACKENDS = ["hf", "vllm-fake"]
+
+
+# ------------------------------------------------------------------ the fake vllm
+
+
+class _SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _TokensPrompt(dict):
+    pass
+
+
+class _LoRARequest:
+    def __init__(self, lora_name, lora_int_id, lora_path):
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+
+class _Logprob:
+    def __init__(self, logprob: float):
+        self.logprob = logprob
+
+
+class TransformersEngine:
+    """Fake `vllm.LLM` (vLLM needs a GPU, CI machines have none) that really runs a transformers
+    model: no KV cache, one request at a time, a torch.Generator per seeded request."""
+
+    def __init__(self, model, tokenizer):
+        self.base = model
+        self.tokenizer = tokenizer
+        self.loras: dict[int, torch.nn.Module] = {}
+        self.llm_engine = self
+
+    def add_lora(self, request) -> bool:
+        from peft import PeftModel
+
+        self.loras[request.lora_int_id] = PeftModel.from_pretrained(copy.deepcopy(self.base), request.lora_path).eval()
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.loras.pop(lora_id, None) is not None
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=True):
+        model = self.base if lora_request is None else self.loras[lora_request.lora_int_id]
+        outputs = []
+        for prompt, sp in zip(prompts, sampling_params):
+            ids = list(prompt["prompt_token_ids"])
+            generator = None if sp.seed is None else torch.Generator().manual_seed(sp.seed)
+            tokens, logprobs, reason = [], [], "length"
+            for _ in range(sp.max_tokens):
+                logits = model(torch.tensor([ids + tokens]), logits_to_keep=1).logits[0, -1].float()
+                raw = torch.log_softmax(logits, -1)  # logprobs_mode="raw_logprobs"
+                if sp.temperature == 0:
+                    tok = int(logits.argmax())
+                else:
+                    probs = torch.softmax(logits / sp.temperature, -1)
+                    if sp.top_p < 1:
+                        sorted_p, order = probs.sort(descending=True)
+                        sorted_p[sorted_p.cumsum(-1) - sorted_p > sp.top_p] = 0
+                        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+                    tok = int(torch.multinomial(probs, 1, generator=generator))
+                tokens.append(tok)
+                logprobs.append({tok: _Logprob(float(raw[tok]))})
+                if tok in sp.stop_token_ids:
+                    reason = "stop"
+                    break
+            completion = types.SimpleNamespace(token_ids=tokens, logprobs=logprobs, finish_reason=reason, text="")
+            outputs.append(types.SimpleNamespace(outputs=[completion]))
+        return outputs
+
+
+def _install_fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = _SamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = _TokensPrompt
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = _LoRARequest
+    for name, module in [("vllm", vllm), ("vllm.inputs", inputs), ("vllm.lora", lora), ("vllm.lora.request", request)]:
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(params=BACKENDS)
+def sampler(request, tiny_model, tokenizer, monkeypatch):
+    model = copy.deepcopy(tiny_model)  # loading an adapter must not touch the session's model
+    if request.param == "hf":
+        from agentrl.sampling.hf import HFSampler
+
+        return HFSampler(model, tokenizer)
+    from agentrl.config import LearnerConfig
+    from agentrl.sampling.vllm import VLLMSampler
+
+    _install_fake_vllm(monkeypatch)
+    return VLLMSampler(TransformersEngine(model, tokenizer), tokenizer, max_lora_rank=8,
+                       target_modules=LearnerConfig().target_modules)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """Two real PEFT LoRA adapters (r=4 on q,v) for the tiny model, non-zero so they change outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("contract-adapters")
+    paths = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                         init_lora_weights=False))
+        peft_model.save_pretrained(root / f"v{seed}")
+        paths.append(str(root / f"v{seed}"))
+    return paths
+
+
+@pytest.fixture
+def prompts(tokenizer):
+    texts = ["Thought: short", "a somewhat longer prompt so that padding would matter", "You are in the kitchen."]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def check_completion(sampler, prompt: list[int], c: Completion, params: SamplingParams) -> None:
+    assert isinstance(c, Completion)
+    assert c.prompt_ids == prompt
+    assert len(c.token_ids) == len(c.logprobs) >= 1
+    assert len(c.token_ids) <= params.max_new_tokens
+    assert c.finish_reason in ("stop", "length")
+    if c.finish_reason == "stop":
+        assert c.token_ids[-1] in sampler.stop_ids
+    else:
+        assert len(c.token_ids) == params.max_new_tokens
+    assert not any(t in sampler.stop_ids for t in c.token_ids[:-1])  # decoding ends at the first stop token
+    assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
+    assert isinstance(c.text, str)
+
+
+# ------------------------------------------------------------------ the contract
+
+
+def test_one_completion_per_prompt_in_order(sampler, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    out = sampler.generate(prompts, params, seeds=[1, 2, 3])
+    assert len(out) == len(prompts)
+    for p, c in zip(prompts, out):
+        check_completion(sampler, p, c, params)
+        assert c.adapter_version is None
+
+
+def test_stop_token_ends_a_row(sampler, prompts):
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    first = sampler.generate(prompts[:1], greedy)[0]
+    sampler.stop_ids = {first.token_ids[2]}  # make the third greedy token a stop token
+    out = sampler.generate(prompts[:1], greedy)[0]
+    k = first.token_ids.index(first.token_ids[2])
+    assert out.finish_reason == "stop" and out.token_ids == first.token_ids[: k + 1]
+    check_completion(sampler, prompts[0], out, greedy)
+
+
+def test_same_seed_same_tokens_whatever_the_batch(sampler, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8)
+    batch = sampler.generate(prompts, params, seeds=[11, 22, 33])
+    alone = sampler.generate(prompts[1:2], params, seeds=[22])
+    reordered = sampler.generate([prompts[2], prompts[1], prompts[1]], params, seeds=[33, 22, 44])
+    assert alone[0].token_ids == batch[1].token_ids == reordered[1].token_ids
+    assert reordered[0].token_ids == batch[2].token_ids
+    assert alone[0].logprobs == pytest.approx(batch[1].logprobs, abs=1e-4)
+    assert reordered[2].token_ids != reordered[1].token_ids  # another seed, another sample
+
+
+def test_keys_are_only_a_hint(sampler, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    plain = sampler.generate(prompts, params, seeds=[1, 2, 3])
+    keyed = sampler.generate(prompts, params, seeds=[1, 2, 3], keys=["a", "b", "c"])
+    assert [c.token_ids for c in keyed] == [c.token_ids for c in plain]
+
+
+def test_greedy_is_deterministic(sampler, prompts):
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    a = sampler.generate(prompts, params)
+    b = sampler.generate(prompts[::-1], params, seeds=[7, 8, 9])  # seeds and batch order do not matter
+    assert [c.token_ids for c in a] == [c.token_ids for c in b[::-1]]
+    for p, c in zip(prompts, a):
+        check_completion(sampler, p, c, params)
+
+
+def test_logprobs_are_the_raw_models(sampler, tiny_model, prompts):
+    """temperature and top-p shape sampling, not the reported log-probs (temperature 1, no top-p)."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5)
+    for p, c in zip(prompts, sampler.generate(prompts, params, seeds=[4, 5, 6])):
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
+        assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
+
+
+def test_adapter_version_follows_load_adapter(sampler, prompts, adapters, tmp_path):
+    greedy = SamplingParams(temperature=0, max_new_tokens=4)
+    base = sampler.generate(prompts, greedy)
+    sampler.load_adapter(adapters[0], version=3)
+    v3 = sampler.generate(prompts, greedy)
+    assert [c.adapter_version for c in v3] == [3, 3, 3]
+    assert [c.logprobs for c in v3] != [c.logprobs for c in base]  # the adapter is applied
+    sampler.load_adapter(adapters[1], version=4)
+    v4 = sampler.generate(prompts, greedy)
+    assert [c.adapter_version for c in v4] == [4, 4, 4]
+    assert [c.logprobs for c in v4] != [c.logprobs for c in v3]
+    with pytest.raises(UserError, match="adapter_config.json"):
+        sampler.load_adapter(str(tmp_path), version=5)
+    assert sampler.generate(prompts[:1], greedy)[0].adapter_version == 4  # a failed load changes nothing
+
+
+def test_one_seed_per_prompt(sampler, prompts):
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        sampler.generate(prompts, SamplingParams(), seeds=[1])
