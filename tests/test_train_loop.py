@@ -191,3 +191,22 @@ def test_a_dead_learner_process_is_a_clear_error(tmp_path, tiny_actor_dir):
         learner.update([(item, 1.0)])
     learner.close()
     assert not learner.process.is_alive()
+
+
+def test_stale_adapters_and_logprob_gaps_are_warned_about():
+    from types import SimpleNamespace
+
+    from agentrl.train.learner import UpdateStats
+    from agentrl.train.loop import check_served_version, check_update
+
+    said = []
+    check_update(5, UpdateStats(0.1, 1.0, 8, 100, logprob_gap=0.4), 0.1, said.append)
+    check_update(6, UpdateStats(0.1, 1.0, 8, 100, logprob_gap=1e-6), 0.1, said.append)
+    check_update(7, UpdateStats(float("nan"), float("nan"), 8, 100, None, skipped=True, stepped=False), 0.1, said.append)
+    rollout = SimpleNamespace(trajectories=[SimpleNamespace(adapter_versions=[2, 2]), SimpleNamespace(adapter_versions=[3])])
+    check_served_version(8, rollout, 3, said.append)
+    check_served_version(9, SimpleNamespace(trajectories=[SimpleNamespace(adapter_versions=[None])]), 0, said.append)
+    assert len(said) == 3
+    assert said[0].startswith("iteration 5: sampler and learner disagree on action log-probs by 0.400")
+    assert said[1].startswith("iteration 7: non-finite loss or gradient") and "update skipped" in said[1]
+    assert said[2].startswith("iteration 8: rollouts used adapter version(s) [2, 3], the learner is at v3")

@@ -235,10 +235,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
         rollout = roll(cfg, games, policy, gate, on_step=hooks.step)                              # rollout + gate
         t1 = time.perf_counter()
-        served = {v or 0 for t in rollout.trajectories for v in t.adapter_versions}
-        if served - {learner.version}:
-            hooks.warn(f"iteration {it}: rollouts used adapter version(s) {sorted(served)}, the learner is at "
-                       f"v{learner.version}: the sampler did not swap in the latest adapter")
+        check_served_version(it, rollout, learner.version, hooks.warn)
         batch = batch_advantages(rollout.groups, cfg.train.advantage, cfg.train.dapo_filter)     # advantage
         hooks.phase("train")
         stats = learner.update(batch)                                                             # learn
@@ -250,11 +247,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
             prune_adapters(run / "adapters", cfg.train.keep_adapters)
         t3 = time.perf_counter()
         state.bad_updates = state.bad_updates + 1 if stats.skipped else 0
-        if stats.skipped:
-            hooks.warn(f"iteration {it}: non-finite loss or gradient (loss {stats.loss}, grad norm {stats.grad_l2_norm}); update skipped")
-        if stats.logprob_gap is not None and stats.logprob_gap > cfg.train.logprob_gap_warn:
-            hooks.warn(f"iteration {it}: sampler and learner disagree on action log-probs by {stats.logprob_gap:.3f} on average "
-                       f"(> {cfg.train.logprob_gap_warn}): a stale adapter or a tokenisation mismatch")
+        check_update(it, stats, cfg.train.logprob_gap_warn, hooks.warn)
         eval_row = None
         if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
             hooks.phase("eval", eval_steps)
@@ -274,6 +267,22 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
             raise UserError(f"{state.bad_updates} non-finite updates in a row (last at iteration {it}); stopping. "
                             f"Lower learner.lr or enable learner.grad_clip, then --resume {run}")
     return row
+
+
+def check_served_version(it: int, rollout, expected: int, warn) -> None:
+    """Every trajectory must have been sampled with the learner's latest adapter (0 = base)."""
+    served = {v or 0 for t in rollout.trajectories for v in t.adapter_versions}
+    if served - {expected}:
+        warn(f"iteration {it}: rollouts used adapter version(s) {sorted(served)}, the learner is at "
+             f"v{expected}: the sampler did not swap in the latest adapter")
+
+
+def check_update(it: int, stats, gap_threshold: float, warn) -> None:
+    if stats.skipped:
+        warn(f"iteration {it}: non-finite loss or gradient (loss {stats.loss}, grad norm {stats.grad_l2_norm}); update skipped")
+    if stats.logprob_gap is not None and stats.logprob_gap > gap_threshold:
+        warn(f"iteration {it}: sampler and learner disagree on action log-probs by {stats.logprob_gap:.3f} on average "
+             f"(> {gap_threshold}): a stale adapter or a tokenisation mismatch")
 
 
 def prune_adapters(root: Path, keep: int) -> None:
