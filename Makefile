@@ -38,6 +38,7 @@ test-fast: model
 	$(BIN)/python -m pytest -q -m "not integration"
 
 bench: model
+	$(BIN)/python benchmarks/bench_env.py
 	$(BIN)/python benchmarks/bench_rollout.py
 
 clean:

@@ -64,3 +64,44 @@ def test_max_steps_counts_invalid_actions(games):
     assert traj.stop_reason == "max_steps" and len(traj.steps) == 4
     assert traj.invalid_actions == 4 and not traj.won
     assert all(s.observation == NOTHING_HAPPENS for s in traj.steps)
+
+
+REPLAY = """
+import json, sys
+from agentrl.env.data import read_game
+from agentrl.env.alfworld import AlfworldEnv
+from pathlib import Path
+game = read_game(Path(sys.argv[1]), "valid_seen")
+env = AlfworldEnv(game)
+first = env.reset()
+steps = [env.step(a) for a in game.walkthrough]
+print(json.dumps([[first.observation, first.admissible]] + [[r.observation, r.admissible, r.won] for r in steps]))
+"""
+
+
+def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games):
+    """The per-process caches (PDDL->SAS translation, parsed grammar) change nothing a player
+    sees: a group of envs of one game replays the walkthrough exactly as textworld does
+    without the caches (run in a subprocess with AGENTRL_NO_GAME_CACHE=1), and stepping one env
+    of the group leaves the others where they were."""
+    import os
+    import subprocess
+    import sys
+
+    game = games["pick_heat_then_place_in_recep"]
+    proc = subprocess.run([sys.executable, "-c", REPLAY, str(game.path)], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"AGENTRL_NO_GAME_CACHE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    uncached = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    group = [AlfworldEnv(game) for _ in range(4)]
+    firsts = [env.reset() for env in group]
+    assert all([f.observation, f.admissible] == uncached[0] for f in firsts)
+    for i, env in enumerate(group[:2]):  # env 0 plays through while envs 1-3 wait, then env 1
+        steps = [env.step(a) for a in game.walkthrough]
+        assert [[r.observation, r.admissible, r.won] for r in steps] == uncached[1:]
+        assert steps[-1].won
+        if i == 0:
+            assert group[1].step("look").observation == group[2].step("look").observation  # untouched by env 0
+    for env in group:
+        env.close()

@@ -1,0 +1,65 @@
+"""Group resets: G envs of one ALFWorld game, with and without the per-process game caches
+(a script, not a test). Each arm runs in a fresh subprocess so neither starts warm; the
+uncached arm sets AGENTRL_NO_GAME_CACHE=1 (textworld's own behaviour).
+
+Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+ARM = """
+import json, sys, time
+from agentrl.env.data import discover_games
+from agentrl.env.alfworld import AlfworldEnv
+G, n = int(sys.argv[1]), int(sys.argv[2])
+out = []
+for game in discover_games("valid_seen", None, limit=n):
+    t = time.perf_counter(); envs = [AlfworldEnv(game)]; envs[0].reset(); one = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(G - 1):
+        envs.append(AlfworldEnv(game)); envs[-1].reset()
+    rest = time.perf_counter() - t
+    t = time.perf_counter(); [e.step(e._admissible[0]) for e in envs]; step = (time.perf_counter() - t) / G
+    out.append({"game": game.game_id, "one_reset_s": one, "group_reset_s": one + rest, "step_s": step})
+    for e in envs:
+        e.close()
+print(json.dumps(out))
+"""
+
+
+def arm(group_size: int, games: int, cached: bool) -> list[dict]:
+    env = os.environ | ({} if cached else {"AGENTRL_NO_GAME_CACHE": "1"})
+    proc = subprocess.run([sys.executable, "-c", ARM, str(group_size), str(games)], capture_output=True, text=True,
+                          env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--games", type=int, default=3)
+    a = ap.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; G={a.group_size}, "
+          f"{a.games} valid_seen games (first env of each game pays the translation; the rest reuse it)")
+    rows = {name: arm(a.group_size, a.games, cached) for name, cached in (("uncached", False), ("cached", True))}
+    print(f"{'game':<60} {'arm':<9} {'1 reset':>8} {'G resets':>9} {'G/1':>6} {'step':>7}")
+    for name, rs in rows.items():
+        for r in rs:
+            print(f"{r['game'][:60]:<60} {name:<9} {r['one_reset_s']:8.2f} {r['group_reset_s']:9.2f} "
+                  f"{r['group_reset_s'] / r['one_reset_s']:6.2f} {1000 * r['step_s']:6.0f}ms")
+    u = sum(r["group_reset_s"] for r in rows["uncached"])
+    c = sum(r["group_reset_s"] for r in rows["cached"])
+    ratio = sum(r["group_reset_s"] / r["one_reset_s"] for r in rows["cached"]) / len(rows["cached"])
+    print(f"group reset, G={a.group_size}: cached {c:.2f}s vs uncached {u:.2f}s over {a.games} games: "
+          f"{u / c:.1f}x faster; cached G resets = {ratio:.2f}x one reset (target <= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
