@@ -1,8 +1,12 @@
-"""Group resets: G envs of one ALFWorld game, with and without the per-process game caches
-(a script, not a test). Each arm runs in a fresh subprocess so neither starts warm; the
-uncached arm sets AGENTRL_NO_GAME_CACHE=1 (textworld's own behaviour).
+"""Env work on this machine (a script, not a test).
 
-Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3]
+1. Group resets: G envs of one ALFWorld game, with and without the per-process game caches.
+   Each arm runs in a fresh subprocess so neither starts warm; the uncached arm sets
+   AGENTRL_NO_GAME_CACHE=1 (textworld's own behaviour).
+2. Env steps per second: B x G envs stepping their walkthroughs in lockstep batches, in this
+   process vs an EnvPool of N worker processes (same actions, same results).
+
+Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3] [--workers N]
 """
 
 from __future__ import annotations
@@ -41,10 +45,34 @@ def arm(group_size: int, games: int, cached: bool) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def steps_per_second(games, group_size: int, workers: int) -> tuple[float, int]:
+    """Lockstep batches of env.step over every env still playing its walkthrough."""
+    import time
+
+    from agentrl.env import env_factory
+    from agentrl.env.pool import EnvPool, LocalEnvs
+
+    backend = EnvPool(workers) if workers else LocalEnvs(env_factory("alfworld"))
+    try:
+        envs = [(g.game_id + f"#{i}", g) for g in games for i in range(group_size)]
+        backend.reset_all([(h, g) for h, (_, g) in enumerate(envs)])
+        steps, t0, t = 0, time.perf_counter(), 0
+        while True:
+            batch = [(h, g.walkthrough[t]) for h, (_, g) in enumerate(envs) if t < len(g.walkthrough)]
+            if not batch:
+                break
+            backend.step_all(batch)
+            steps, t = steps + len(batch), t + 1
+        return steps / (time.perf_counter() - t0), steps
+    finally:
+        backend.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--games", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
     a = ap.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; G={a.group_size}, "
           f"{a.games} valid_seen games (first env of each game pays the translation; the rest reuse it)")
@@ -59,6 +87,14 @@ def main() -> None:
     ratio = sum(r["group_reset_s"] / r["one_reset_s"] for r in rows["cached"]) / len(rows["cached"])
     print(f"group reset, G={a.group_size}: cached {c:.2f}s vs uncached {u:.2f}s over {a.games} games: "
           f"{u / c:.1f}x faster; cached G resets = {ratio:.2f}x one reset (target <= 1.5x)")
+
+    from agentrl.env.data import discover_games
+
+    games = discover_games("valid_seen", None, limit=a.games * 2)
+    local, n = steps_per_second(games, 4, 0)
+    pooled, _ = steps_per_second(games, 4, a.workers)
+    print(f"env steps per second, {len(games)} games x G=4 ({n} steps of walkthroughs): one process {local:.1f}/s, "
+          f"pool of {a.workers} workers {pooled:.1f}/s: {pooled / local:.2f}x")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def read_metrics(run: Path) -> list[dict]:
 
 def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_actor_dir):
     run = tmp_path / "run"
-    run_train(run, tiny_cfg(tiny_actor_dir))
+    run_train(run, tiny_cfg(tiny_actor_dir, **{"env.workers": 2}))  # envs in a pool of worker processes
     rows = read_metrics(run)
     its = [r for r in rows if r["kind"] == "iteration"]
     evals = [r for r in rows if r["kind"] == "eval"]

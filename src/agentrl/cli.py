@@ -138,6 +138,7 @@ def rollout_cmd(
     gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12) or off.")] = None,
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
+    env_workers: Annotated[Optional[int], typer.Option(help="Env worker processes (0: envs in the main process).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
@@ -150,6 +151,7 @@ def rollout_cmd(
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
     from agentrl.collect import load_games, make_policy, roll, run_tier1, tier1_markdown, write_rollout
+    from agentrl.env import open_envs
     from agentrl.io import atomic_write_json, atomic_write_text
 
     cfg = load_config(config, {
@@ -157,6 +159,7 @@ def rollout_cmd(
         "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
+        "env.workers": env_workers,
     })
     the_gate = cfg.rollout.parsed_gate()
     if tier1_ab and the_gate is None:
@@ -180,15 +183,20 @@ def rollout_cmd(
 
             return on_step, on_reset
 
-        if tier1_ab:
-            result = run_tier1(cfg, games, policy, the_gate, progress)
-            for name, r in (("baseline", result.baseline), ("gated", result.gated)):
-                write_rollout(r, out / name, cfg.rollout.signal_steps)
-            atomic_write_json(out / "tier1.json", result.report)
-            atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
-        else:
-            rollout = roll(cfg, games, policy, the_gate, *progress("rollout"))
-            write_rollout(rollout, out, cfg.rollout.signal_steps)
+        envs = open_envs(cfg)
+        try:
+            if tier1_ab:
+                result = run_tier1(cfg, games, policy, the_gate, progress, envs)
+                for name, r in (("baseline", result.baseline), ("gated", result.gated)):
+                    write_rollout(r, out / name, cfg.rollout.signal_steps)
+                atomic_write_json(out / "tier1.json", result.report)
+                atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
+            else:
+                rollout = roll(cfg, games, policy, the_gate, *progress("rollout"), envs=envs)
+                write_rollout(rollout, out, cfg.rollout.signal_steps)
+        finally:
+            if envs is not None:
+                envs.shutdown()
     if tier1_ab:
         console.print(tier1_markdown(result.report))
         console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")
@@ -237,6 +245,7 @@ def train_cmd(
     seed: Annotated[Optional[int], typer.Option(help="Run seed (tasks, sampling, LoRA init).")] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
+    env_workers: Annotated[Optional[int], typer.Option(help="Env worker processes (0: envs in the main process).")] = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
@@ -259,13 +268,13 @@ def train_cmd(
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
         "train.advantage": advantage, "train.dapo_filter": dapo_filter, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
-        "model.device": sampler_device, "learner.device": learner_device,
+        "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
         "train.layout": "colocate" if colocate else layout,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
-        may_change = ("train.iterations", "model.device", "learner.device", "train.layout")
+        may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers")
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
             raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations and the devices "

@@ -31,13 +31,13 @@ def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
                        messages=prompt_messages(cfg.env.kind))
 
 
-def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None) -> Rollout:
+def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None, envs=None) -> Rollout:
     r = cfg.rollout
     t_max = r.max_steps or cfg.env.max_steps
     return run_lockstep(
         games, policy, t_max, cfg.env.fuzzy_threshold, group_size=r.group_size,
         gate=gate, signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-        make_env=env_factory(cfg.env.kind),
+        make_env=env_factory(cfg.env.kind), envs=envs,
     )
 
 
@@ -175,12 +175,12 @@ def tier1_markdown(rep: dict) -> str:
     ])
 
 
-def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None) -> Tier1:
+def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None, envs=None) -> Tier1:
     """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
     policy.sampler.generate([policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids],
                             SamplingParams(0.0, 1.0, 2))
-    baseline = roll(cfg, games, policy, None, *(progress("baseline") if progress else (None, None)))
-    gated = roll(cfg, games, policy, gate, *(progress("gated") if progress else (None, None)))
+    baseline = roll(cfg, games, policy, None, *(progress("baseline") if progress else (None, None)), envs=envs)
+    gated = roll(cfg, games, policy, gate, *(progress("gated") if progress else (None, None)), envs=envs)
     return Tier1(baseline, gated, tier1_report(baseline, gated, gate, cfg.seed))
 
 

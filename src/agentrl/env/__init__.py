@@ -14,6 +14,15 @@ def env_factory(kind: str):
     return AlfworldEnv
 
 
+def open_envs(cfg):
+    """An EnvPool of cfg.env.workers processes, or None (envs in this process). Shut it down when done."""
+    if cfg.env.workers <= 0:
+        return None
+    from agentrl.env.pool import EnvPool
+
+    return EnvPool(cfg.env.workers, cfg.env.kind, cfg.env.worker_timeout_s)
+
+
 def prompt_messages(kind: str):
     """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind`."""
     if kind == "synthetic":
@@ -37,6 +46,7 @@ def find_games(kind: str, split: str, data=None, task_types=(), limit: int | Non
 __all__ = [
     "env_factory",
     "find_games",
+    "open_envs",
     "prompt_messages",
     "AlfworldEnv",
     "Game",

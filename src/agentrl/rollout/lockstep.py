@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentrl.env.actions import map_action, parse_action
-from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
+from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages
 from agentrl.rollout.gate import Gate
@@ -159,29 +159,39 @@ def run_lockstep(
     on_step: Callable[[int, list[Trajectory]], None] | None = None,
     on_reset: Callable[[int, int], None] | None = None,
     make_env: Callable[[Game], object] = AlfworldEnv,
+    envs=None,
 ) -> Rollout:
-    """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K."""
+    """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K.
+
+    `envs`: where the envs live, an `EnvPool` (worker processes) or None (`make_env` in this
+    process). Env time is shared among the groups of each batched call by their number of envs."""
+    from agentrl.env.pool import EnvFailure, LocalEnvs
+
+    backend = envs if envs is not None else LocalEnvs(make_env)
     stats = RolloutStats()
     wall = time.perf_counter()
     groups = [Group(g, [Trajectory(game=g, index=i) for i in range(group_size)]) for g in games]
     trajs = [t for grp in groups for t in grp.trajectories]
     group_of = [grp for grp in groups for _ in grp.trajectories]
-    envs: dict[int, object] = {}  # AlfworldEnv, or any env with reset/step/close
-    for k, traj in enumerate(trajs):
+    live_envs: set[int] = set()
+    per_call = getattr(backend, "workers", 1) * group_size  # a pool resets one group per worker at once
+    for start in range(0, len(trajs), per_call):
+        ks = list(range(start, min(start + per_call, len(trajs))))
         t0 = time.perf_counter()
-        try:
-            env = make_env(traj.game)
-            first = env.reset()
-        except GameLoadError as e:
-            traj.stop_reason, traj.error = "env_error", str(e)
-            log.warning("%s", e)
-        else:
-            envs[k] = env
-            traj.initial_observation, traj.admissible = first.observation, first.admissible
-            policy.start(traj)
-        group_of[k].env_s += time.perf_counter() - t0
+        results = backend.reset_all([(k, trajs[k].game) for k in ks])
+        spent = (time.perf_counter() - t0) / len(ks)
+        for k, first in zip(ks, results):
+            traj = trajs[k]
+            if isinstance(first, EnvFailure):
+                traj.stop_reason, traj.error = "env_error", first.message
+                log.warning("%s", first.message)
+            else:
+                live_envs.add(k)
+                traj.initial_observation, traj.admissible = first.observation, first.admissible
+                policy.start(traj)
+            group_of[k].env_s += spent
         if on_reset is not None:
-            on_reset(k + 1, len(trajs))
+            on_reset(ks[-1] + 1, len(trajs))
     stats.env_s += time.perf_counter() - wall
 
     for step in range(1, max_steps + 1):
@@ -195,14 +205,20 @@ def run_lockstep(
         made = [trajs[k].step_tokens[-1] if len(trajs[k].step_tokens) == step else 0 for k in live]
         for k, n in zip(live, made):  # share the batched call's time by generated tokens
             group_of[k].generate_s += spent * (n / sum(made) if sum(made) else 1 / len(live))
+        commands = []
         for k, response in zip(live, responses):
-            traj, t0 = trajs[k], time.perf_counter()
             action = parse_action(response)
-            command, score = map_action(action, traj.admissible, fuzzy_threshold)
-            try:
-                result: StepResult = envs[k].step(command)
-            except Exception as e:  # the engine itself failed: this trajectory only
-                traj.stop_reason, traj.error = "env_error", f"{e.__class__.__name__}: {e}"
+            command, score = map_action(action, trajs[k].admissible, fuzzy_threshold)
+            commands.append((k, response, action, command, score))
+        t0 = time.perf_counter()
+        results = backend.step_all([(k, command) for k, _, _, command, _ in commands])  # all envs at once
+        spent = time.perf_counter() - t0
+        stats.env_s += spent
+        for (k, response, action, command, score), result in zip(commands, results):
+            traj = trajs[k]
+            group_of[k].env_s += spent / len(commands)
+            if isinstance(result, EnvFailure):  # the engine or its worker failed: this trajectory only
+                traj.stop_reason, traj.error = "env_error", result.message
                 continue
             stats.env_steps += 1
             traj.steps.append(Step(response, action, command, result.observation, result.won, result.done, score))
@@ -215,9 +231,6 @@ def run_lockstep(
                 traj.stop_reason = "max_steps"
             else:
                 policy.observe(traj, result.observation)
-            spent = time.perf_counter() - t0
-            stats.env_s += spent
-            group_of[k].env_s += spent
         for grp in groups:
             if grp.cut:
                 continue
@@ -229,8 +242,9 @@ def run_lockstep(
                 grp.cut, grp.cut_step = True, step
                 for t in still_running:
                     t.stop_reason = "gate_cut"
-        for k in [k for k in envs if trajs[k].done]:  # a finished trajectory's game is released at once
-            envs.pop(k).close()
+        finished = [k for k in live_envs if trajs[k].done]  # a finished trajectory's game is released at once
+        backend.release(finished)
+        live_envs.difference_update(finished)
         now = time.perf_counter() - wall
         for grp in groups:
             if not grp.wall_s and all(t.done for t in grp.trajectories):
@@ -245,8 +259,7 @@ def run_lockstep(
             if K not in grp.signals and not grp.cut:
                 grp.signals[K] = group_signals(grp, K)
         grp.wall_s = grp.wall_s or time.perf_counter() - wall
-    for env in envs.values():
-        env.close()
+    backend.release(sorted(live_envs))
     stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
     stats.wall_s = time.perf_counter() - wall
     return Rollout(groups, stats)

@@ -31,7 +31,7 @@ import yaml
 
 from agentrl.collect import roll
 from agentrl.config import Config, load_config
-from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.errors import UserError
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.sampling.base import SamplingParams
@@ -132,13 +132,14 @@ class Metrics:
 
 
 # ---------------------------------------------------------------- eval
-def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, on_step=None) -> dict:
+def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, on_step=None, envs=None) -> dict:
     """Greedy episodes on the held-out tasks with the sampler's current adapter."""
     t0 = time.perf_counter()
     greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
     policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
     t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
-    rollout = run_lockstep(games, policy, t_max, cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind))
+    rollout = run_lockstep(games, policy, t_max, cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
+                           envs=envs)
     by_type: dict[str, list[bool]] = {}
     for t in rollout.trajectories:
         by_type.setdefault(t.game.task_type, []).append(t.won)
@@ -199,16 +200,19 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
     sampler = sampler or make_sampler(cfg)
     owned = learner is None
     learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
+    envs = open_envs(cfg)  # env worker processes, or None
     try:
-        return _loop(cfg, run, resume, hooks, tasks, sampler, learner)
+        return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs)
     except LearnerDied as e:
         raise LearnerDied(f"{e}; the run keeps its last complete iteration: continue with `agentrl train --resume {run}`") from None
     finally:
+        if envs is not None:
+            envs.shutdown()
         if owned and hasattr(learner, "close"):
             learner.close()
 
 
-def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner) -> dict:
+def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs) -> dict:
     gate = cfg.rollout.parsed_gate()
     metrics = Metrics(run / "metrics.jsonl")
     state = checkpoint.TrainState()
@@ -222,7 +226,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
     eval_steps = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
     if state.iteration == 0 and tasks.held_out:  # iteration 0: the base policy, before any update
         hooks.phase("eval", eval_steps)
-        row = evaluate(cfg, sampler, tasks.held_out, 0, state.adapter_version, hooks.step)
+        row = evaluate(cfg, sampler, tasks.held_out, 0, state.adapter_version, hooks.step, envs)
         state.elapsed_s += row["eval_s"]
         metrics.append(row)
         hooks.done(row)
@@ -233,7 +237,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
         policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
-        rollout = roll(cfg, games, policy, gate, on_step=hooks.step)                              # rollout + gate
+        rollout = roll(cfg, games, policy, gate, on_step=hooks.step, envs=envs)                   # rollout + gate
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
         batch = batch_advantages(rollout.groups, cfg.train.advantage, cfg.train.dapo_filter)     # advantage
@@ -251,7 +255,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         eval_row = None
         if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
             hooks.phase("eval", eval_steps)
-            eval_row = evaluate(cfg, sampler, tasks.held_out, it, learner.version, hooks.step)
+            eval_row = evaluate(cfg, sampler, tasks.held_out, it, learner.version, hooks.step, envs)
         t4 = time.perf_counter()
         state.iteration, state.adapter_version = it, learner.version
         state.elapsed_s += t4 - t0

@@ -1,0 +1,86 @@
+"""The env process pool on real games: same results as envs in this process, a killed worker
+is replaced (its envs fail, the others go on), shutdown leaves no process behind."""
+
+import os
+import signal
+
+from agentrl.env.alfworld import AlfworldEnv
+from agentrl.env.pool import EnvFailure, EnvPool
+
+
+def test_pool_equals_in_process_envs_and_survives_a_killed_worker(games):
+    a, b = games["pick_and_place_simple"], games["look_at_obj_in_light"]
+    handles = [(0, a), (1, a), (2, b), (3, b)]
+    local = {h: AlfworldEnv(g) for h, g in handles}
+    want_first = [local[h].reset() for h, _ in handles]
+    plan = [[(0, a.walkthrough[0]), (1, None), (2, b.walkthrough[0]), (3, "look")],
+            [(0, a.walkthrough[1]), (1, "look"), (2, b.walkthrough[1]), (3, None)]]
+    with EnvPool(workers=2) as pool:
+        pids = pool.pids
+        assert pool.reset_all(handles) == want_first
+        for step in plan:
+            assert pool.step_all(step) == [local[h].step(c) for h, c in step]
+        victim = pool._owner[0]  # envs of one game share a worker
+        assert pool._owner[1] == victim and pool._owner[2] != victim
+        os.kill(pids[victim], signal.SIGKILL)
+        after = pool.step_all([(h, "look") for h, _ in handles])
+        lost = [h for h, _ in handles if pool._owner.get(h) is None]
+        assert lost == [0, 1] and pool.replaced == 1
+        assert all(isinstance(after[h], EnvFailure) and "died" in after[h].message for h in (0, 1))
+        assert after[2] == local[2].step("look") and after[3] == local[3].step("look")
+        assert pool.reset_all([(4, a)])[0] == want_first[0]  # the new worker serves new envs
+        alive = pool.pids
+    for pid in alive:
+        assert not _alive(pid)
+    for env in local.values():
+        env.close()
+
+
+def test_a_bad_game_fails_only_its_env(games, tmp_path):
+    from dataclasses import replace
+
+    broken = tmp_path / "game.tw-pddl"
+    broken.write_text('{"pddl_domain": "(define", "pddl_problem": "", "grammar": "", "solvable": true}')
+    good = games["pick_and_place_simple"]
+    with EnvPool(workers=1) as pool:
+        out = pool.reset_all([(0, replace(good, path=broken)), (1, good)])
+        assert isinstance(out[0], EnvFailure) and "cannot load game" in out[0].message
+        assert "Your task is to:" in out[1].observation and pool.replaced == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not a live process
+        return f.read().split()[2] != "Z"
+
+
+def test_lockstep_with_a_pool_equals_lockstep_in_process(games):
+    from agentrl.rollout import WalkthroughPolicy, run_lockstep
+
+    sample = [games[t] for t in ("pick_and_place_simple", "pick_cool_then_place_in_recep", "look_at_obj_in_light")]
+    local = run_lockstep(sample, WalkthroughPolicy(), max_steps=30, group_size=2)
+    with EnvPool(workers=2) as pool:
+        pooled = run_lockstep(sample, WalkthroughPolicy(), max_steps=30, group_size=2, envs=pool)
+        assert pool._owner == {}  # every env released at the end
+    assert [t.steps for t in pooled.trajectories] == [t.steps for t in local.trajectories]
+    assert [t.stop_reason for t in pooled.trajectories] == ["won"] * 6
+    assert pooled.stats.env_steps == local.stats.env_steps
+
+
+def test_a_worker_killed_mid_rollout_ends_only_its_trajectories(games):
+    from agentrl.rollout import WalkthroughPolicy, run_lockstep
+
+    sample = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
+    with EnvPool(workers=2) as pool:
+        def kill_first_worker(step, trajs):
+            if step == 1:
+                os.kill(pool.pids[0], signal.SIGKILL)
+
+        rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=30, group_size=2, envs=pool, on_step=kill_first_worker)
+        assert pool.replaced == 1
+    reasons = [t.stop_reason for t in rollout.trajectories]
+    assert reasons == ["env_error", "env_error", "won", "won"]  # game 0's group lived on worker 0
+    assert "died" in rollout.trajectories[0].error and len(rollout.trajectories[0].steps) == 1
