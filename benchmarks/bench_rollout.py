@@ -60,7 +60,7 @@ def main() -> None:
 
     with EnvPool(args.env_workers) as pool:
         pooled = run_lockstep(games, policy(), args.max_steps, group_size=args.group_size, envs=pool).stats
-    print(f"\n   overhead share = (wall - generate) / wall, the issue's target <= 10% once envs are off the critical path:")
+    print("\n   overhead share = (wall - generate) / wall, the issue's target <= 10% once envs are off the critical path:")
     for name, st in (("envs in this process", L), (f"EnvPool of {args.env_workers} workers", pooled)):
         print(f"   {name:<26} wall {st.wall_s:6.1f}s  generate {st.generate_s:6.1f}s  env {st.env_s:5.1f}s  "
               f"overhead {100 * (st.wall_s - st.generate_s) / st.wall_s:4.1f}%")

@@ -20,7 +20,7 @@ from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages
 from agentrl.rollout.gate import Gate
-from agentrl.rollout.signals import compute_signals
+from agentrl.rollout.signals import command_symbol, compute_signals
 from agentrl.rollout.trajectory import Step, Trajectory
 from agentrl.sampling.base import Sampler, SamplingParams
 
@@ -135,8 +135,7 @@ class Rollout:
 
 
 def action_symbol(step: Step) -> str:
-    """One symbol of the edit distance: the admissible command, or the invalid text marked as such."""
-    return step.command if step.command is not None else f"invalid:{step.action or ''}"
+    return command_symbol(step.command, step.action)
 
 
 def group_signals(group: Group, K: int) -> dict[str, float]:

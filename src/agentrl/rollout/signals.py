@@ -60,3 +60,8 @@ def compute_signals(actions: list[list[str]], observations: list[str], finished:
         "obs_unique_ratio": len(set(observations)) / g,
         "termination_fraction": sum(bool(f) for f in finished) / g,
     }
+
+
+def command_symbol(command: str | None, action: str | None) -> str:
+    """One symbol of the edit distance: the admissible command, or the invalid text marked as such."""
+    return command if command is not None else f"invalid:{action or ''}"

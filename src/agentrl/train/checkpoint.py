@@ -32,7 +32,6 @@ class TrainState:
     elapsed_s: float = 0.0  # cumulative wall-clock of the run, eval included, across resumes
     bad_updates: int = 0  # non-finite losses/gradients in a row
     task_rng: dict | None = None  # numpy bit generator state of the task sampler
-    stages: dict | None = None  # state of rollout-selection stages (later issues)
 
 
 def _fsync_tree(root: Path) -> None:

@@ -30,16 +30,12 @@ import numpy as np
 from agentrl.errors import UserError
 from agentrl.rollout.gate import Gate, parse_gate
 from agentrl.rollout.signals import SIGNALS, compute_signals
+from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
 from agentrl.train.advantage import group_advantages
 
 ARMS = ("baseline", "gated")
 D_K = "prefix_edit_distance_mean"
 REQUIRED_KEYS = ("task_id", "reward", "token_ids", "action_mask")
-
-
-def action_symbol(command: str | None, action: str | None) -> str:
-    """One symbol of the edit distance, as `rollout.lockstep.action_symbol`: the command, or the invalid text."""
-    return command if command is not None else f"invalid:{action or ''}"
 
 
 # ---------------------------------------------------------------- the buffer
