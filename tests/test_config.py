@@ -44,6 +44,8 @@ def test_malformed_yaml_is_one_clear_line(tmp_path):
         ("eval:\n  split: test\n", "unknown split 'test'"),
         ("eval:\n  task_types: [pick_and_place]\n", "did you mean 'pick_and_place_simple'"),
         ("env: 3\n", "must be a mapping"),
+        ("env:\n  workers: many\n", "env.workers must be auto or a number >= 0"),
+        ("env:\n  workers: -1\n", "env.workers must be auto or a number >= 0"),
     ],
 )
 def test_bad_values_are_refused(tmp_path, text, message):
@@ -118,3 +120,14 @@ def test_gate_default_is_the_paper_operating_point():
 
     assert load_config().rollout.parsed_gate() == Gate(10, 0.12)
     assert load_config(None, {"rollout.gate": "off"}).rollout.parsed_gate() is None
+
+
+def test_env_workers_auto_is_one_per_available_core(tmp_path):
+    import os
+
+    from agentrl.env import env_workers
+
+    assert load_config().env.workers == "auto"
+    assert env_workers("auto") == len(os.sched_getaffinity(0))
+    assert env_workers("auto", "synthetic") == 0  # its env work is a string comparison
+    assert env_workers(load_config(write(tmp_path, "env:\n  workers: 3\n")).env.workers) == 3

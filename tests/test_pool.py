@@ -83,4 +83,39 @@ def test_a_worker_killed_mid_rollout_ends_only_its_trajectories(games):
         assert pool.replaced == 1
     reasons = [t.stop_reason for t in rollout.trajectories]
     assert reasons == ["env_error", "env_error", "won", "won"]  # game 0's group lived on worker 0
-    assert "died" in rollout.trajectories[0].error and len(rollout.trajectories[0].steps) == 1
+    # killed once every wave had step 1; with overlap, game 0's step 2 was already sent and may have been answered
+    assert "died" in rollout.trajectories[0].error and len(rollout.trajectories[0].steps) in (1, 2)
+
+
+def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny_model, tokenizer):
+    """With a pool, the sampler's generate calls for one wave happen while the other wave's step
+    is still with the workers, and the trajectories (tokens, actions, observations) are the
+    ones of an in-process rollout with the same seeds."""
+    from agentrl.rollout import ModelPolicy, run_lockstep
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.hf import HFSampler
+
+    sample = [games[t] for t in ("pick_and_place_simple", "look_at_obj_in_light", "pick_heat_then_place_in_recep")]
+    params = SamplingParams(1.0, 1.0, 8)
+
+    def rollout(envs=None, in_flight=None):
+        policy = ModelPolicy(HFSampler(tiny_model, tokenizer), params, seed=3)
+        if in_flight is not None:
+            act = policy.act
+
+            def watched(trajs):
+                # resets and steps the workers have not answered yet (releases are not waited for)
+                in_flight.append(sum(p.op != "release" for q in envs._queue for p in q))
+                return act(trajs)
+
+            policy.act = watched
+        return run_lockstep(sample, policy, max_steps=3, fuzzy_threshold=0, group_size=2, envs=envs)
+
+    local = rollout()
+    in_flight: list[int] = []
+    with EnvPool(workers=2) as pool:
+        pooled = rollout(pool, in_flight)
+    assert [t.token_ids for t in pooled.trajectories] == [t.token_ids for t in local.trajectories]
+    assert [t.steps for t in pooled.trajectories] == [t.steps for t in local.trajectories]
+    assert len(in_flight) == 6  # two waves x three steps
+    assert all(n > 0 for n in in_flight)  # every generate had env work (resets or steps) in flight

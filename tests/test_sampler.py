@@ -103,12 +103,27 @@ def test_kv_reuse_across_turns_gives_the_same_samples(tiny_model, tokenizer, pro
             assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
             assert set(sampler._kv) == {"a", "b"}
             third = sampler.generate(second_prompts[:1], params, seeds=[5], keys=["a"])
-            assert set(sampler._kv) == {"a"}  # "b" left the batch: its cache is dropped
+            assert set(sampler._kv) == {"a"} and set(sampler._kv_older) == {"b"}  # "b" may be the other wave
             assert third[0].prompt_ids == second_prompts[0]
+            sampler.generate(second_prompts[:1], params, seeds=[5], keys=["a"])
+            assert set(sampler._kv) == {"a"} and not sampler._kv_older  # "b" missed two calls: dropped
     for (f0, s0), (f1, s1) in [(results[False], results[True])]:
         for a, b in zip(f0 + s0, f1 + s1):
             assert a.token_ids == b.token_ids
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_two_waves_taking_turns_keep_their_caches(tiny_model, tokenizer, prompts):
+    """The rollout alternates two waves of trajectories: each wave's next turn reuses its cache."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    obs = tokenizer("an observation", add_special_tokens=False).input_ids
+    sampler = HFSampler(tiny_model, tokenizer)
+    a1 = sampler.generate(prompts[:1], params, seeds=[1], keys=["a"])[0]
+    b1 = sampler.generate(prompts[1:], params, seeds=[2], keys=["b"])[0]
+    before = sampler.reused_tokens
+    sampler.generate([prompts[0] + a1.token_ids + obs], params, seeds=[3], keys=["a"])
+    sampler.generate([prompts[1] + b1.token_ids + obs], params, seeds=[4], keys=["b"])
+    assert sampler.reused_tokens - before == len(prompts[0]) + len(a1.token_ids) - 1 + len(prompts[1]) + len(b1.token_ids) - 1
 
 
 def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):

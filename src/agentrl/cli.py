@@ -35,6 +35,13 @@ ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a local HF mod
 AdapterOpt = Annotated[Optional[str], typer.Option(help="PEFT adapter directory to apply.")]
 MaxNewTokensOpt = Annotated[Optional[int], typer.Option(help="Token budget of one reply.")]
 SamplerOpt = Annotated[Optional[str], typer.Option(help="Sampler backend: hf (transformers, CPU or GPU) | vllm (GPU, LoRA hot-swap).")]
+def _workers_value(value: str | None) -> int | str | None:
+    """--env-workers N | auto: a number becomes an int; anything else is checked by the config."""
+    return int(value) if value is not None and value.strip().isdigit() else value
+
+
+EnvWorkersOpt = Annotated[Optional[str], typer.Option(
+    callback=_workers_value, help="Env worker processes: auto (one per core, the default) | N | 0 (envs in the main process).")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 
@@ -72,6 +79,7 @@ def eval_cmd(
     data: DataOpt = None,
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/eval-<split>-<time>).")] = None,
+    env_workers: EnvWorkersOpt = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
@@ -81,7 +89,7 @@ def eval_cmd(
         "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
         "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
         "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
-        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps,
+        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers,
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.eval.max_steps or cfg.env.max_steps
@@ -138,7 +146,7 @@ def rollout_cmd(
     gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12) or off.")] = None,
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
-    env_workers: Annotated[Optional[int], typer.Option(help="Env worker processes (0: envs in the main process).")] = None,
+    env_workers: EnvWorkersOpt = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
@@ -245,7 +253,7 @@ def train_cmd(
     seed: Annotated[Optional[int], typer.Option(help="Run seed (tasks, sampling, LoRA init).")] = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
-    env_workers: Annotated[Optional[int], typer.Option(help="Env worker processes (0: envs in the main process).")] = None,
+    env_workers: EnvWorkersOpt = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,

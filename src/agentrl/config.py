@@ -50,7 +50,8 @@ class EnvConfig:
     kind: str = "alfworld"  # alfworld | synthetic (a one-step text task that checks the trainer learns)
     max_steps: int = 30  # T_max; an invalid action still counts
     fuzzy_threshold: float = 85.0  # rapidfuzz ratio (0-100) needed to map an action to an admissible command
-    workers: int = 0  # env worker processes (0: envs live in the main process)
+    workers: int | str = "auto"  # env worker processes: auto (one per available core; 0 for synthetic) | N | 0 (in-process)
+    overlap: bool = True  # with workers: generate for one wave of groups while the workers step the other
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
 
@@ -162,7 +163,8 @@ class Config:
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
             (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
-            (self.env.workers >= 0, f"env.workers must be >= 0 (0: envs in the main process), got {self.env.workers}"),
+            (self.env.workers == "auto" or (isinstance(self.env.workers, int) and self.env.workers >= 0),
+             f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {self.env.workers!r}"),
             (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
             (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),

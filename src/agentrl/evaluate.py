@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.config import Config
-from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_lockstep
 from agentrl.sampling import make_sampler
@@ -79,8 +79,13 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
     if games is None or policy is None:
         games, policy = prepare_eval(cfg)
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
-    rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
-                           make_env=env_factory(cfg.env.kind))
+    envs = open_envs(cfg)  # env worker processes (env.workers), or None
+    try:
+        rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
+                               make_env=env_factory(cfg.env.kind), envs=envs)
+    finally:
+        if envs is not None:
+            envs.shutdown()
     trajs, stats = rollout.trajectories, rollout.stats
     summary = summarize(trajs, stats, cfg)
     if out is not None:

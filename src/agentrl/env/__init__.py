@@ -14,13 +14,24 @@ def env_factory(kind: str):
     return AlfworldEnv
 
 
+def env_workers(workers: int | str, kind: str = "alfworld") -> int:
+    """`env.workers` as a number. auto: one worker per core this process may use for ALFWorld;
+    none for the synthetic task, whose env work is a string comparison."""
+    from agentrl.env.pool import available_cores
+
+    if workers == "auto":
+        return available_cores() if kind == "alfworld" else 0
+    return int(workers)
+
+
 def open_envs(cfg):
-    """An EnvPool of cfg.env.workers processes, or None (envs in this process). Shut it down when done."""
-    if cfg.env.workers <= 0:
+    """An EnvPool of `env.workers` processes, or None (envs in this process). Shut it down when done."""
+    workers = env_workers(cfg.env.workers, cfg.env.kind)
+    if workers <= 0:
         return None
     from agentrl.env.pool import EnvPool
 
-    return EnvPool(cfg.env.workers, cfg.env.kind, cfg.env.worker_timeout_s)
+    return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, cfg.env.overlap)
 
 
 def prompt_messages(kind: str):
@@ -45,6 +56,7 @@ def find_games(kind: str, split: str, data=None, task_types=(), limit: int | Non
 
 __all__ = [
     "env_factory",
+    "env_workers",
     "find_games",
     "open_envs",
     "prompt_messages",

@@ -6,6 +6,7 @@ toward T_max (the paper's rule), and the agent sees ALFWorld's own "Nothing happ
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -60,6 +61,27 @@ def _install_game_caches() -> None:
         return game_logic(domain=domain, grammar=grammar)
 
     pddl.pddl_logic = types.SimpleNamespace(**{**vars(pddl_logic), "GameLogic": cached_logic})
+
+    # Every reset and step re-derives the intro/feedback text and each admissible command's
+    # template from strings with a tatsu parser (most of what is left of a cached reset, and of a
+    # step). The parse is a pure function of the string; callers mutate the returned symbols
+    # (their context), so each caller gets its own deep copy of the memoised tree.
+    from textworld import logic as tw_logic
+    from textworld.envs.pddl import textgen
+
+    for module in (textgen, tw_logic):
+        module._parse_and_convert = _memoised_parse(module._parse_and_convert)
+
+
+def _memoised_parse(parse):
+    @functools.lru_cache(maxsize=8192)
+    def parsed(args: tuple, kwargs: tuple):
+        return parse(*args, **dict(kwargs))
+
+    def cached(*args, **kwargs):
+        return copy.deepcopy(parsed(args, tuple(sorted(kwargs.items()))))
+
+    return cached
 
 
 class AlfworldEnv:

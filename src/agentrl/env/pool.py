@@ -2,17 +2,21 @@
 
 An `EnvPool` keeps N spawned workers. Envs of one game go to the same worker (it then reuses
 the game's cached translation and grammar, see alfworld.py), groups are spread round-robin.
-`reset_all` / `step_all` send each worker its share of a batch at once and collect the
-results in the caller's order, so N workers step N envs at a time. A worker that crashes or
-does not answer within the timeout is replaced; its envs come back as `EnvFailure` (their
-trajectories end with env_error) and the run goes on.
+`submit` sends each worker its share of a batch at once and returns at once; `collect` reads
+the answers back in the caller's order. Between the two the caller is free: the rollout
+generates the next step of one wave of groups while the workers step (or reset) the other.
+Each worker answers its requests in the order sent. `reset_all` / `step_all` are submit +
+collect. A worker that crashes or does not answer within the timeout is replaced; its envs
+come back as `EnvFailure` (their trajectories end with env_error) and the run goes on.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from agentrl.env.alfworld import GameLoadError, StepResult
 from agentrl.env.data import Game
@@ -25,10 +29,28 @@ class EnvFailure:
     message: str
 
 
+@dataclass
+class Pending:
+    """One batch sent to the envs; `collect` fills `out` in the batch's order."""
+
+    op: str
+    out: list
+    shares: dict[int, list[int]] = field(default_factory=dict)  # worker -> positions in the batch
+    waiting: set[int] = field(default_factory=set)  # workers whose answer is not read yet
+
+
 def _worker(conn, kind: str) -> None:
     from agentrl.env import env_factory
 
     make_env = env_factory(kind)
+    if kind == "alfworld":  # import the engine now (while the parent loads its model), not at the first reset
+        import textworld  # noqa: F401
+        from alfworld.agents.environment import alfred_tw_env  # noqa: F401
+
+        from agentrl.env.alfworld import _install_game_caches
+
+        if not os.environ.get("AGENTRL_NO_GAME_CACHE"):
+            _install_game_caches()
     envs: dict[int, object] = {}
     while True:
         op, batch = conn.recv()
@@ -57,49 +79,74 @@ def _worker(conn, kind: str) -> None:
 
 
 class LocalEnvs:
-    """The same interface as EnvPool with the envs in this process (env.workers 0)."""
+    """The same interface as EnvPool with the envs in this process (env.workers 0): work is done at submit."""
+
+    workers = 0
+    overlap = False
 
     def __init__(self, make_env):
         self.make_env = make_env
         self._envs: dict[int, object] = {}
 
-    def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
-        out = []
-        for handle, game in games:
-            try:
-                self._envs[handle] = self.make_env(game)
-                out.append(self._envs[handle].reset())
-            except GameLoadError as e:
-                self._envs.pop(handle, None)
-                out.append(EnvFailure(str(e)))
-        return out
+    def submit(self, op: str, items: list[tuple[int, object]]) -> Pending:
+        if op == "release":  # nobody collects a release
+            return Pending(op, [self._do(op, handle, arg) for handle, arg in items])
+        return Pending(op, list(items), waiting={0})  # done at collect, so progress can follow it
 
-    def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
-        out = []
-        for handle, command in commands:
-            try:
-                out.append(self._envs[handle].step(command))
-            except Exception as e:  # noqa: BLE001 - the engine itself failed: this trajectory only
-                out.append(EnvFailure(f"{e.__class__.__name__}: {e}"))
-        return out
+    def collect(self, pending: Pending) -> list:
+        if pending.waiting:
+            pending.out, pending.waiting = [self._do(pending.op, h, arg) for h, arg in pending.out], set()
+        return pending.out
 
-    def release(self, handles: list[int]) -> None:
-        for handle in handles:
-            env = self._envs.pop(handle, None)
+    def _do(self, op: str, handle: int, arg):
+        try:
+            if op == "reset":
+                self._envs[handle] = self.make_env(arg)
+                return self._envs[handle].reset()
+            if op == "step":
+                return self._envs[handle].step(arg)
+            env = self._envs.pop(handle, None)  # release
             if env is not None:
                 env.close()
+        except GameLoadError as e:
+            self._envs.pop(handle, None)
+            return EnvFailure(str(e))
+        except Exception as e:  # noqa: BLE001 - the engine itself failed: this trajectory only
+            if op == "reset":
+                raise
+            return EnvFailure(f"{e.__class__.__name__}: {e}")
+        return None
+
+    def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
+        return self.collect(self.submit("reset", games))
+
+    def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
+        return self.collect(self.submit("step", commands))
+
+    def release(self, handles: list[int]) -> None:
+        self.submit("release", [(h, None) for h in handles])
 
     def shutdown(self) -> None:
         self.release(list(self._envs))
 
 
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class EnvPool:
-    def __init__(self, workers: int, kind: str = "alfworld", timeout_s: float = 120.0):
+    def __init__(self, workers: int, kind: str = "alfworld", timeout_s: float = 120.0, overlap: bool = True):
         if workers < 1:
             raise ValueError("an env pool needs at least one worker")
         self.kind, self.timeout_s = kind, timeout_s
+        self.overlap = overlap  # the rollout may generate for one wave of groups while the workers step another
         self._ctx = mp.get_context("spawn")  # no fork: the main process may hold CUDA and torch threads
         self._workers = [self._start() for _ in range(workers)]
+        self._queue: list[deque[Pending]] = [deque() for _ in range(workers)]  # requests each worker has not answered
         self._owner: dict[int, int] = {}  # env handle -> worker index
         self._by_game: dict[str, int] = {}
         self.replaced = 0  # workers replaced after a crash or a hang
@@ -116,40 +163,64 @@ class EnvPool:
             self._by_game[game.game_id] = len(self._by_game) % len(self._workers)
         return self._by_game[game.game_id]
 
-    def _run(self, op: str, items: list[tuple[int, object]]) -> list:
-        """Send each worker its items, gather the answers in the items' order."""
-        shares: dict[int, list[int]] = {}
+    def submit(self, op: str, items: list[tuple[int, object]]) -> Pending:
+        """Send each worker its share of `items` (reset: (handle, game), step: (handle, command),
+        release: (handle, None)) and return without waiting."""
+        if op == "reset":
+            for handle, game in items:
+                self._owner[handle] = self._worker_for(game)
+        pending = Pending(op, [EnvFailure("env lost with its worker")] * len(items))
         for i, (handle, _) in enumerate(items):
-            shares.setdefault(self._owner[handle], []).append(i)
-        for w, idx in shares.items():
+            if handle in self._owner:
+                pending.shares.setdefault(self._owner[handle], []).append(i)
+        if op == "release":
+            for handle, _ in items:
+                self._owner.pop(handle, None)
+        for w, idx in pending.shares.items():
             try:
                 self._workers[w][1].send((op, [items[i] for i in idx]))
             except (BrokenPipeError, OSError):
-                pass  # noticed below, when it does not answer
-        out: list = [None] * len(items)
+                pass  # noticed in collect, when it does not answer
+            self._queue[w].append(pending)
+            pending.waiting.add(w)
+        return pending
+
+    def collect(self, pending: Pending) -> list:
+        """Wait for every answer to `pending` (answers to earlier requests are read on the way)."""
         deadline = time.monotonic() + self.timeout_s
-        for w, idx in shares.items():
-            proc, conn = self._workers[w]
-            answer, hung = None, False
-            while answer is None:
-                if conn.poll(0.05):
-                    try:
-                        answer = conn.recv()
-                    except (EOFError, OSError):
-                        break
-                elif not proc.is_alive():
+        for w in sorted(pending.waiting):
+            while w in pending.waiting:
+                self._read(w, deadline)
+        return pending.out
+
+    def _read(self, w: int, deadline: float) -> None:
+        """Read worker w's next answer into the oldest request it has not answered."""
+        proc, conn = self._workers[w]
+        answer, hung = None, False
+        while answer is None:
+            if conn.poll(0.05):
+                try:
+                    answer = conn.recv()
+                except (EOFError, OSError):
                     break
-                elif time.monotonic() > deadline:
-                    hung = True
-                    break
-            if answer is None:  # crashed or hung: replace it; its envs are lost
-                proc.join(timeout=1 if not hung else 0)
-                why = f"did not answer within {self.timeout_s:g}s" if hung else f"died (exit code {proc.exitcode})"
-                self._replace(w)
-                answer = [EnvFailure(f"env worker {why} during {op}") for _ in idx]
-            for i, result in zip(idx, answer):
-                out[i] = result
-        return out
+            elif not proc.is_alive():
+                break
+            elif time.monotonic() > deadline:
+                hung = True
+                break
+        if answer is None:  # crashed or hung: replace it; every request it had not answered fails
+            proc.join(timeout=1 if not hung else 0)
+            why = f"did not answer within {self.timeout_s:g}s" if hung else f"died (exit code {proc.exitcode})"
+            for pending in self._queue[w]:
+                for i in pending.shares[w]:
+                    pending.out[i] = EnvFailure(f"env worker {why} during {pending.op}")
+                pending.waiting.discard(w)
+            self._replace(w)
+            return
+        pending = self._queue[w].popleft()
+        for i, result in zip(pending.shares[w], answer):
+            pending.out[i] = result
+        pending.waiting.discard(w)
 
     def _replace(self, w: int) -> None:
         proc, conn = self._workers[w]
@@ -157,27 +228,36 @@ class EnvPool:
         proc.join()
         conn.close()
         self._workers[w] = self._start()
+        self._queue[w].clear()
         self.replaced += 1
         for handle in [h for h, owner in self._owner.items() if owner == w]:
             del self._owner[handle]
 
+    def ready(self) -> float:
+        """Wait until every worker answers (its imports are done); the seconds waited."""
+        t0 = time.perf_counter()
+        pings = []
+        for w, (_, conn) in enumerate(self._workers):
+            ping = Pending("ping", [], shares={w: []}, waiting={w})
+            try:
+                conn.send(("ping", []))
+            except (BrokenPipeError, OSError):
+                pass
+            self._queue[w].append(ping)
+            pings.append(ping)
+        for ping in pings:
+            self.collect(ping)
+        return time.perf_counter() - t0
+
     def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
-        for handle, game in games:
-            self._owner[handle] = self._worker_for(game)
-        return self._run("reset", games)
+        return self.collect(self.submit("reset", games))
 
     def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
-        out: list = [EnvFailure("env lost with its worker")] * len(commands)
-        idx = [i for i, (h, _) in enumerate(commands) if h in self._owner]
-        for i, result in zip(idx, self._run("step", [commands[i] for i in idx])):
-            out[i] = result
-        return out
+        return self.collect(self.submit("step", commands))
 
     def release(self, handles: list[int]) -> None:
-        live = [(h, None) for h in handles if h in self._owner]
-        self._run("release", live)
-        for h, _ in live:
-            self._owner.pop(h, None)
+        """Close these envs; not waited for (the workers do it while the caller generates)."""
+        self.submit("release", [(h, None) for h in handles])
 
     @property
     def workers(self) -> int:
@@ -188,8 +268,11 @@ class EnvPool:
         return [proc.pid for proc, _ in self._workers]
 
     def shutdown(self) -> None:
-        for proc, conn in self._workers:
+        for w, (proc, conn) in enumerate(self._workers):
             try:
+                while self._queue[w] and conn.poll(5):  # answers still owed (releases) come first
+                    conn.recv()
+                    self._queue[w].popleft()
                 conn.send(("shutdown", []))
                 if conn.poll(10):
                     conn.recv()

@@ -163,8 +163,11 @@ def run_lockstep(
     """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K.
 
     `envs`: where the envs live, an `EnvPool` (worker processes) or None (`make_env` in this
-    process). Env time is shared among the groups of each batched call by their number of envs."""
-    from agentrl.env.pool import EnvFailure, LocalEnvs
+    process). With a pool (and `overlap`), the groups are split into two waves that take turns:
+    while the sampler generates step t for one wave, the workers reset or step the other, so
+    env work leaves the critical path. Samples do not depend on the batch (per-row seeds), so
+    the waves change timings only. `stats.env_s` is the env time the caller waited for."""
+    from agentrl.env.pool import LocalEnvs
 
     backend = envs if envs is not None else LocalEnvs(make_env)
     stats = RolloutStats()
@@ -172,84 +175,43 @@ def run_lockstep(
     groups = [Group(g, [Trajectory(game=g, index=i) for i in range(group_size)]) for g in games]
     trajs = [t for grp in groups for t in grp.trajectories]
     group_of = [grp for grp in groups for _ in grp.trajectories]
+    n_waves = 2 if getattr(backend, "overlap", False) and len(groups) > 1 else 1
+    waves = [_Wave(groups[w::n_waves], [k for k in range(len(trajs)) if (k // max(1, group_size)) % n_waves == w])
+             for w in range(n_waves)]
     live_envs: set[int] = set()
-    per_call = getattr(backend, "workers", 1) * group_size  # a pool resets one group per worker at once
-    for start in range(0, len(trajs), per_call):
-        ks = list(range(start, min(start + per_call, len(trajs))))
-        t0 = time.perf_counter()
-        results = backend.reset_all([(k, trajs[k].game) for k in ks])
-        spent = (time.perf_counter() - t0) / len(ks)
-        for k, first in zip(ks, results):
-            traj = trajs[k]
-            if isinstance(first, EnvFailure):
-                traj.stop_reason, traj.error = "env_error", first.message
-                log.warning("%s", first.message)
-            else:
-                live_envs.add(k)
-                traj.initial_observation, traj.admissible = first.observation, first.admissible
-                policy.start(traj)
-            group_of[k].env_s += spent
-        if on_reset is not None:
-            on_reset(ks[-1] + 1, len(trajs))
-    stats.env_s += time.perf_counter() - wall
+    ctx = _Context(trajs, group_of, groups, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, gate,
+                   signal_steps, wall)
 
-    for step in range(1, max_steps + 1):
-        live = [k for k, t in enumerate(trajs) if not t.done]
-        if not live:
-            break
-        t0 = time.perf_counter()
-        responses = policy.act([trajs[k] for k in live])
-        spent = time.perf_counter() - t0
-        stats.generate_s += spent
-        made = [trajs[k].step_tokens[-1] if len(trajs[k].step_tokens) == step else 0 for k in live]
-        for k, n in zip(live, made):  # share the batched call's time by generated tokens
-            group_of[k].generate_s += spent * (n / sum(made) if sum(made) else 1 / len(live))
-        commands = []
-        for k, response in zip(live, responses):
-            action = parse_action(response)
-            command, score = map_action(action, trajs[k].admissible, fuzzy_threshold)
-            commands.append((k, response, action, command, score))
-        t0 = time.perf_counter()
-        results = backend.step_all([(k, command) for k, _, _, command, _ in commands])  # all envs at once
-        spent = time.perf_counter() - t0
-        stats.env_s += spent
-        for (k, response, action, command, score), result in zip(commands, results):
-            traj = trajs[k]
-            group_of[k].env_s += spent / len(commands)
-            if isinstance(result, EnvFailure):  # the engine or its worker failed: this trajectory only
-                traj.stop_reason, traj.error = "env_error", result.message
+    # resets: one group per worker per request, all sent at once (progress as they come back)
+    per_call = max(1, getattr(backend, "workers", 1)) * group_size
+    for wave in waves:
+        for start in range(0, len(wave.members), per_call):
+            ks = wave.members[start:start + per_call]
+            wave.inflight.append((backend.submit("reset", [(k, trajs[k].game) for k in ks]), ks))
+    resets_done, reported = 0, 0
+    while any(not wave.finished for wave in waves):
+        for wave in waves:
+            if wave.finished:
                 continue
-            stats.env_steps += 1
-            traj.steps.append(Step(response, action, command, result.observation, result.won, result.done, score))
-            traj.admissible = result.admissible
-            if result.won:
-                traj.stop_reason = "won"
-            elif result.done:  # the env ended the episode without a win
-                traj.stop_reason = "lost"
-            elif len(traj.steps) >= max_steps:
-                traj.stop_reason = "max_steps"
-            else:
-                policy.observe(traj, result.observation)
-        for grp in groups:
-            if grp.cut:
-                continue
-            if step in signal_steps or (gate is not None and step == gate.K):
-                grp.signals[step] = group_signals(grp, step)
-            still_running = [t for t in grp.trajectories if not t.done]
-            # a group that already finished has nothing left to save: the gate leaves it alone
-            if gate is not None and step == gate.K and still_running and gate.fires(grp.signals[step]):
-                grp.cut, grp.cut_step = True, step
-                for t in still_running:
-                    t.stop_reason = "gate_cut"
-        finished = [k for k in live_envs if trajs[k].done]  # a finished trajectory's game is released at once
-        backend.release(finished)
-        live_envs.difference_update(finished)
-        now = time.perf_counter() - wall
-        for grp in groups:
-            if not grp.wall_s and all(t.done for t in grp.trajectories):
-                grp.wall_s = now
-        if on_step is not None:
-            on_step(step, trajs)
+            for pending, what in wave.inflight:
+                t0 = time.perf_counter()
+                results = backend.collect(pending)
+                spent = time.perf_counter() - t0
+                stats.env_s += spent
+                if pending.op == "reset":
+                    ctx.apply_resets(what, results, spent / len(what))
+                    resets_done += len(what)
+                    if on_reset is not None:
+                        on_reset(resets_done, len(trajs))
+                else:
+                    ctx.apply_steps(wave, what, results, spent)
+            wave.inflight = []
+            running = [w.applied for w in waves if not w.finished]
+            while reported < min(running):  # every wave has the results of this step
+                reported += 1
+                if on_step is not None:
+                    on_step(reported, trajs)
+            wave.finished = ctx.next_step(wave)  # generate, then send the step to the envs without waiting
     for traj in trajs:
         if traj.stop_reason is None:  # max_steps == 0
             traj.stop_reason = "max_steps"
@@ -262,3 +224,109 @@ def run_lockstep(
     stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
     stats.wall_s = time.perf_counter() - wall
     return Rollout(groups, stats)
+
+
+@dataclass
+class _Wave:
+    """Groups that take their steps together: one batched generate, then one batch to the envs."""
+
+    groups: list[Group]
+    members: list[int]  # their trajectories' indices
+    inflight: list = field(default_factory=list)  # (Pending, trajectory indices | the step's commands)
+    step: int = 0  # the step last sent to the envs
+    applied: int = 0  # the step whose results are in
+    finished: bool = False
+
+
+@dataclass
+class _Context:
+    trajs: list[Trajectory]
+    group_of: list[Group]
+    groups: list[Group]
+    policy: object
+    backend: object
+    stats: RolloutStats
+    live_envs: set[int]
+    fuzzy_threshold: float
+    max_steps: int
+    gate: Gate | None
+    signal_steps: tuple[int, ...]
+    wall: float
+
+    def apply_resets(self, ks: list[int], results: list, spent_each: float) -> None:
+        from agentrl.env.pool import EnvFailure
+
+        for k, first in zip(ks, results):
+            traj = self.trajs[k]
+            if isinstance(first, EnvFailure):
+                traj.stop_reason, traj.error = "env_error", first.message
+                log.warning("%s", first.message)
+            else:
+                self.live_envs.add(k)
+                traj.initial_observation, traj.admissible = first.observation, first.admissible
+                self.policy.start(traj)
+            self.group_of[k].env_s += spent_each
+
+    def next_step(self, wave: _Wave) -> bool:
+        """Generate the wave's next action for every live trajectory and send it to the envs.
+        True when the wave has nothing left to do."""
+        live = [k for k in wave.members if not self.trajs[k].done]
+        if not live or wave.step >= self.max_steps:
+            return True
+        wave.step += 1
+        t0 = time.perf_counter()
+        responses = self.policy.act([self.trajs[k] for k in live])
+        spent = time.perf_counter() - t0
+        self.stats.generate_s += spent
+        made = [self.trajs[k].step_tokens[-1] if len(self.trajs[k].step_tokens) == wave.step else 0 for k in live]
+        for k, n in zip(live, made):  # share the batched call's time by generated tokens
+            self.group_of[k].generate_s += spent * (n / sum(made) if sum(made) else 1 / len(live))
+        commands = []
+        for k, response in zip(live, responses):
+            action = parse_action(response)
+            command, score = map_action(action, self.trajs[k].admissible, self.fuzzy_threshold)
+            commands.append((k, response, action, command, score))
+        wave.inflight = [(self.backend.submit("step", [(k, command) for k, _, _, command, _ in commands]), commands)]
+        return False
+
+    def apply_steps(self, wave: _Wave, commands: list, results: list, spent: float) -> None:
+        from agentrl.env.pool import EnvFailure
+
+        step = wave.step
+        for (k, response, action, command, score), result in zip(commands, results):
+            traj = self.trajs[k]
+            self.group_of[k].env_s += spent / len(commands)
+            if isinstance(result, EnvFailure):  # the engine or its worker failed: this trajectory only
+                traj.stop_reason, traj.error = "env_error", result.message
+                continue
+            self.stats.env_steps += 1
+            traj.steps.append(Step(response, action, command, result.observation, result.won, result.done, score))
+            traj.admissible = result.admissible
+            if result.won:
+                traj.stop_reason = "won"
+            elif result.done:  # the env ended the episode without a win
+                traj.stop_reason = "lost"
+            elif len(traj.steps) >= self.max_steps:
+                traj.stop_reason = "max_steps"
+            else:
+                self.policy.observe(traj, result.observation)
+        gate = self.gate
+        for grp in wave.groups:
+            if grp.cut:
+                continue
+            if step in self.signal_steps or (gate is not None and step == gate.K):
+                grp.signals[step] = group_signals(grp, step)
+            still_running = [t for t in grp.trajectories if not t.done]
+            # a group that already finished has nothing left to save: the gate leaves it alone
+            if gate is not None and step == gate.K and still_running and gate.fires(grp.signals[step]):
+                grp.cut, grp.cut_step = True, step
+                for t in still_running:
+                    t.stop_reason = "gate_cut"
+        finished = [k for k in wave.members if k in self.live_envs and self.trajs[k].done]
+        self.backend.release(finished)  # a finished trajectory's game is released at once (not waited for)
+        self.live_envs.difference_update(finished)
+        now = time.perf_counter() - self.wall
+        for grp in wave.groups:
+            if not grp.wall_s and all(t.done for t in grp.trajectories):
+                grp.wall_s = now
+        wave.applied = step

@@ -35,6 +35,7 @@ class HFSampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
         self._kv: dict = {}  # key -> (ids fed to the model, per-layer (k, v) without pads)
+        self._kv_older: dict = {}  # caches of keys the last call did not continue
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         if adapter:
@@ -75,7 +76,7 @@ class HFSampler:
             raise UserError(f"adapter {p} does not fit the base model: {first}") from None
         self.model.eval()
         self.adapter_version = version
-        self._kv = {}  # caches computed with the old weights are stale
+        self._kv, self._kv_older = {}, {}  # caches computed with the old weights are stale
 
     @torch.no_grad()
     def generate(
@@ -83,12 +84,16 @@ class HFSampler:
     ) -> list[Completion]:
         """`keys[i]` names the sequence prompt i continues (e.g. a trajectory): its KV cache from the
         previous call is reused when that call's ids are a prefix of the prompt, so a multi-turn
-        step prefills only the new observation. Caches of keys absent from this call are dropped."""
+        step prefills only the new observation. A key's cache lives until it misses two calls in a
+        row (the rollout alternates two waves of trajectories)."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError("one seed per prompt")
         if keys is not None and len(keys) != len(prompts):
             raise ValueError("one key per prompt")
-        previous, self._kv = self._kv, {}
+        previous = {**self._kv_older, **self._kv}
+        continued = set(keys or ())
+        self._kv_older = {k: v for k, v in self._kv.items() if k not in continued}
+        self._kv = {}
         out: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size

@@ -197,18 +197,18 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
 
     hooks = hooks or Hooks()
     tasks = TaskSampler(cfg)
-    sampler = sampler or make_sampler(cfg)
     owned = learner is None
-    learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
-    envs = open_envs(cfg)  # env worker processes, or None
+    envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
     try:
+        sampler = sampler or make_sampler(cfg)
+        learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
         return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs)
     except LearnerDied as e:
         raise LearnerDied(f"{e}; the run keeps its last complete iteration: continue with `agentrl train --resume {run}`") from None
     finally:
         if envs is not None:
             envs.shutdown()
-        if owned and hasattr(learner, "close"):
+        if owned and learner is not None and hasattr(learner, "close"):
             learner.close()
 
 
