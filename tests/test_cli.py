@@ -99,6 +99,9 @@ def test_rollout_bad_input(tmp_path, args, pattern):
         (["--advantage", "ppo"], r"train.advantage must be one of grpo, dr_grpo, rloo"),
         (["--loss-agg", "mean"], r"learner.loss_agg must be one of seq-sum"),
         (["--off-policy", "nowhere/trajectories.jsonl", "--ab", "--gate", "off"], r"--ab compares no gate with a gate"),
+        (["--select", "greso,pilot"], r"unknown selection stage 'pilot' \(did you mean 'pilot-commit'\?\)"),
+        (["--select", "dapo", "--gate-audit", "0.2"], r"select.gate_audit audits the gate: select cut too"),
+        (["--select", "arrol", "--sampler", "vllm"], r"--select arrol reads the policy's hidden states"),
     ],
 )
 def test_train_bad_input(tmp_path, args, pattern):
@@ -136,3 +139,49 @@ def test_doctor_reports_what_this_machine_has(data_root, tmp_path):
                                                                     "AGENTRL_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0
     assert "agentrl model prepare" in proc.stdout and "no ALFWorld data at" in proc.stdout
+
+
+def linked_split(root, games, split="valid_seen"):
+    """A data root whose split holds these real games (symlinked, never copied)."""
+    for g in games:
+        d = root / "json_2.1.1" / split / g.path.parent.parent.name / g.path.parent.name
+        d.mkdir(parents=True)
+        (d / "game.tw-pddl").symlink_to(g.path)
+    return root
+
+
+def test_train_bad_files_are_refused_and_nothing_is_written(tmp_path, games, tiny_actor_dir):
+    """Malformed YAML, an unknown key in the file, a missing split, a corrupt game file."""
+    malformed, unknown = tmp_path / "malformed.yaml", tmp_path / "unknown.yaml"
+    malformed.write_text("rollout:\n  tasks: [1\n")
+    unknown.write_text("rollout:\n  group_sise: 4\n")
+    only_valid = linked_split(tmp_path / "only-valid", [games["look_at_obj_in_light"]])
+    corrupt = linked_split(tmp_path / "corrupt", [games["look_at_obj_in_light"]], "train")
+    broken = corrupt / "json_2.1.1" / "train" / "pick_and_place_simple-Broken-None-Shelf-1" / "trial_0"
+    broken.mkdir(parents=True)
+    (broken / "game.tw-pddl").write_text('{"pddl_domain": "(define')
+    model = ["--model", str(tiny_actor_dir)]
+    cases = [
+        (["--config", str(malformed)], r"malformed YAML in .*malformed.yaml \(line 3\)"),
+        (["--config", str(unknown)], r"unknown config key 'rollout.group_sise'.*did you mean 'rollout.group_size'"),
+        ([*model, "--data", str(only_valid)], r"ALFWorld split 'train' not found"),
+        ([*model, "--data", str(corrupt), "--eval-tasks", "0"], r"corrupt game file .*trial_0/game.tw-pddl: unreadable JSON"),
+    ]
+    for args, pattern in cases:
+        out = tmp_path / "out"
+        assert_clean_error(agentrl("train", "--out", str(out), *args), pattern)
+        assert not out.exists()
+
+
+def test_an_adapter_for_another_model_is_refused(tmp_path, tiny_actor_dir, tokenizer):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+    get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "out"
+    proc = agentrl("eval", "--model", str(tiny_actor_dir), "--adapter", str(tmp_path / "adapter"), "--limit", "1",
+                   "--out", str(out))
+    assert_clean_error(proc, r"adapter .*adapter does not fit the base model")
+    assert not out.exists()

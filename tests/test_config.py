@@ -25,7 +25,7 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path):
-    with pytest.raises(UserError, match=r"unknown config key 'sampling.temperatur'.*did you mean.*'temperature'"):
+    with pytest.raises(UserError, match=r"unknown config key 'sampling.temperatur'.*did you mean 'sampling.temperature'"):
         load_config(write(tmp_path, "sampling:\n  temperatur: 0.5\n"))
 
 

@@ -1,5 +1,4 @@
 import json
-import logging
 
 import pytest
 
@@ -76,14 +75,12 @@ def make_split(tmp_path, real_game, corrupt_text):
     return bad / "game.tw-pddl"
 
 
-def test_corrupt_game_file_is_reported_and_skipped(tmp_path, games, caplog):
+def test_corrupt_game_file_is_refused_and_listed(tmp_path, games):
     bad = make_split(tmp_path, games["look_at_obj_in_light"], "{ this is not json")
-    with caplog.at_level(logging.WARNING):
-        found = discover_games("valid_seen", tmp_path)
-    assert [g.task_type for g in found] == ["look_at_obj_in_light"]
-    assert str(bad) in caplog.text
+    with pytest.raises(UserError, match=f"corrupt game file {bad}: unreadable JSON.*agentrl data check"):
+        discover_games("valid_seen", tmp_path)
     scan = scan_split(tmp_path, "valid_seen")
-    assert [p for p, _ in scan.corrupt] == [bad]
+    assert [p for p, _ in scan.corrupt] == [bad] and [g.task_type for g in scan.games] == ["look_at_obj_in_light"]
 
 
 def test_unsolvable_games_are_filtered(tmp_path, games):

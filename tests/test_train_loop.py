@@ -210,3 +210,61 @@ def test_stale_adapters_and_logprob_gaps_are_warned_about():
     assert said[0].startswith("iteration 5: sampler and learner disagree on action log-probs by 0.400")
     assert said[1].startswith("iteration 7: non-finite loss or gradient") and "update skipped" in said[1]
     assert said[2].startswith("iteration 8: rollouts used adapter version(s) [2, 3], the learner is at v3")
+
+
+def test_non_finite_updates_are_skipped_then_the_run_stops_resumably(tmp_path, tiny_actor_dir):
+    """A learner whose LoRA weights hold NaN produces a NaN loss: each update is skipped (no
+    optimizer step, no new adapter, a warning), and after train.max_bad_updates in a row the run
+    stops with one clear line; the checkpoints it wrote are complete."""
+    import torch
+
+    from agentrl.train import checkpoint
+    from agentrl.train.remote import make_learner
+
+    run = tmp_path / "run"
+    cfg = tiny_cfg(tiny_actor_dir, **{"train.iterations": 5, "train.max_bad_updates": 2, "train.eval_tasks": 0})
+    learner = make_learner(cfg)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(float("nan"))
+    start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
+    warnings = []
+    from agentrl.train.loop import Hooks
+
+    with pytest.raises(UserError, match=r"2 non-finite updates in a row \(last at iteration 2\); stopping.*--resume"):
+        train(cfg, run, learner=learner, hooks=Hooks(warn=warnings.append))
+    rows = read_metrics(run)
+    assert [(r["iteration"], r["skipped_update"], r["adapter_version"]) for r in rows] == [(1, True, 0), (2, True, 0)]
+    assert sum("non-finite loss or gradient" in w for w in warnings) == 2
+    assert checkpoint.latest(run).name == "it00002" and not (run / "adapters").exists()
+
+
+SELECT_ALL = {"select.stages": "greso,pilot-commit,cut,arrol,dapo", "rollout.gate": "1,0.5", "select.gate_audit": 0.5,
+              "select.dapo_refill": 1, "select.pilot_commit.n_pilot": 1, "select.arrol.K": 1, "select.arrol.cold_start": 1,
+              "learner.lr": 2e-3, "train.eval_tasks": 0}
+
+
+def test_selection_stages_compose_account_and_resume_exactly(tmp_path, tiny_actor_dir):
+    """All five: GRESO, Pilot-Commit, the gate with its audit, ARRoL (pruning from iteration 2) and
+    the DAPO filter with refill in one run:
+    every iteration's step-tokens add up (generated = trained + kept out by stages + zero-advantage),
+    each stage reports its decisions, and 2 iterations + resume equal 3 straight (stage state is
+    in the checkpoint)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(straight, tiny_cfg(tiny_actor_dir, **SELECT_ALL))
+    rows = [r for r in read_metrics(straight) if r["kind"] == "iteration"]
+    assert len(rows) == 3
+    for r in rows:
+        assert set(r["stages"]) == {"greso", "pilot-commit", "cut", "arrol", "dapo"}
+        assert r["step_tokens_generated"] == (r["step_tokens_trained"] + r["step_tokens_excluded_by_stages"]
+                                              + r["step_tokens_zero_advantage"])
+        assert r["stages"]["pilot-commit"]["decisions"]["tasks_piloted"] == 9  # pilot_factor 3 x B 3
+    assert sum(r["stages"]["cut"]["decisions"]["groups_cut"] + r["stages"]["cut"]["decisions"]["groups_audited"]
+               for r in rows) > 0  # the gate acted (K=1, d_L=0.5 on the tiny model)
+    assert rows[0]["stages"]["arrol"]["decisions"]["trajectories_pruned"] == 0  # cold start
+    assert sum(r["stages"]["arrol"]["decisions"]["trajectories_pruned"] for r in rows) > 0
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **SELECT_ALL | {"train.iterations": 2}))
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **SELECT_ALL), resume=True)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]  # noqa: E731
+    assert strip(read_metrics(resumed)) == strip(read_metrics(straight))

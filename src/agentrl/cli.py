@@ -242,6 +242,9 @@ def train_cmd(
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     advantage: Annotated[Optional[str], typer.Option(help="grpo | dr_grpo | rloo.")] = None,
     dapo_filter: Annotated[Optional[bool], typer.Option("--dapo-filter/--no-dapo-filter", help="Also drop uncut zero-variance groups.")] = None,
+    select: Annotated[Optional[str], typer.Option("--select", help="Rollout-selection stages, e.g. greso,cut,dapo (default: cut when the gate is on).")] = None,
+    gate_audit: Annotated[Optional[float], typer.Option(help="Share of the groups the gate would cut that run on anyway (out of the loss): live precision/recall.")] = None,
+    dapo_refill: Annotated[Optional[int], typer.Option(help="Extra rollout rounds to refill the batch after the DAPO filter.")] = None,
     lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (paper: 5e-5).")] = None,
     loss_agg: Annotated[Optional[str], typer.Option(help="seq-sum | token-mean | seq-mean-token-mean.")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="E: greedy held-out eval every E iterations.")] = None,
@@ -274,7 +277,8 @@ def train_cmd(
         "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.tasks": tasks, "rollout.group_size": group_size, "rollout.max_steps": max_steps,
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
-        "train.advantage": advantage, "train.dapo_filter": dapo_filter, "learner.lr": lr, "learner.loss_agg": loss_agg,
+        "train.advantage": advantage, "train.dapo_filter": dapo_filter, "select.stages": select,
+        "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
         "train.layout": "colocate" if colocate else layout,
@@ -295,6 +299,11 @@ def train_cmd(
     console.print(f"run {run} · model {cfg.model.name} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
                   f"B={cfg.rollout.tasks} G={cfg.rollout.group_size} T_max={cfg.rollout.max_steps or cfg.env.max_steps} · "
                   f"{cfg.train.iterations} iterations · seed {cfg.seed}")
+    from agentrl.models import resolve_model
+    from agentrl.train.loop import TaskSampler
+
+    resolve_model(cfg.model.name)  # bad input is refused before the run directory is written
+    tasks = TaskSampler(cfg)
     with progress_bar() as bar:
         task = bar.add_task("loading models and games", total=None, info="")
 
@@ -310,7 +319,7 @@ def train_cmd(
                       warn=lambda m: bar.console.print(f"[bold yellow]warning:[/] {m}"))
         if resume is None:
             start_run(run, cfg, force)
-        train(cfg, run, resume=resume is not None, hooks=hooks)
+        train(cfg, run, resume=resume is not None, hooks=hooks, tasks=tasks)
     print_curve(run / "metrics.jsonl")
     console.print(f"wrote {run / 'metrics.jsonl'}; figures and tables with `agentrl report {run}`")
 
@@ -332,6 +341,31 @@ def print_curve(metrics_file: Path) -> None:
             held = f"{100 * evals[r['iteration']]:.1f}%" if r["iteration"] in evals else ""
             table.add_row(str(r["iteration"]), reward, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
                           f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", held)
+    console.print(table)
+    print_stage_totals([r for r in rows if r["kind"] == "iteration"])
+
+
+def print_stage_totals(rows: list[dict]) -> None:
+    """Run totals: what was generated vs trained, and what each selection stage decided and kept out."""
+    if not rows or "stages" not in rows[-1]:
+        return
+    total = lambda key: sum(r.get(key) or 0 for r in rows)  # noqa: E731
+    console.print(f"run totals: trajectories {total('trajectories_generated')} generated, {total('trajectories_trained')} "
+                  f"trained; step-tokens {total('step_tokens_generated')} generated, {total('step_tokens_trained')} trained, "
+                  f"{total('step_tokens_excluded_by_stages')} kept out by stages, {total('step_tokens_zero_advantage')} "
+                  f"with zero advantage")
+    table = Table(title="selection stages (run totals)")
+    for col in ("stage", "decisions", "tokens decided on", "kept out of loss", "avoided (est.)"):
+        table.add_column(col, justify="left" if col in ("stage", "decisions") else "right")
+    for name in rows[-1]["stages"]:
+        per = [r["stages"].get(name, {}) for r in rows]
+        decisions: dict[str, int] = {}
+        for p in per:
+            for k, v in p.get("decisions", {}).items():
+                decisions[k] = decisions.get(k, 0) + v
+        table.add_row(name, ", ".join(f"{k} {v}" for k, v in decisions.items()),
+                      *(str(sum(p.get(k, 0) for p in per)) for k in
+                        ("step_tokens_generated", "step_tokens_excluded", "step_tokens_avoided")))
     console.print(table)
 
 

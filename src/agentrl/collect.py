@@ -31,13 +31,14 @@ def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
                        messages=prompt_messages(cfg.env.kind))
 
 
-def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None, envs=None) -> Rollout:
+def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None, envs=None,
+         stages=(), group_size: int | None = None, first_index: int = 0) -> Rollout:
     r = cfg.rollout
     t_max = r.max_steps or cfg.env.max_steps
     return run_lockstep(
-        games, policy, t_max, cfg.env.fuzzy_threshold, group_size=r.group_size,
+        games, policy, t_max, cfg.env.fuzzy_threshold, group_size=group_size or r.group_size, first_index=first_index,
         gate=gate, signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-        make_env=env_factory(cfg.env.kind), envs=envs,
+        make_env=env_factory(cfg.env.kind), envs=envs, stages=stages,
     )
 
 

@@ -135,6 +135,47 @@ class TrainConfig:
 
 
 @dataclass
+class GresoConfig:
+    """GRESO (seed 002): skip a task with probability 1 - p^z after z zero-variance groups in a row."""
+
+    p_init: float = 0.5
+    p_min: float = 0.05
+    target: float = 0.25  # target zero-variance rate, split easy:hard = 1:2
+    step: float = 0.01  # controller step on p per iteration
+
+
+@dataclass
+class PilotCommitConfig:
+    """Pilot-Commit (seed 004): pilot n_pilot trajectories on pilot_factor x B tasks, commit the rest of G."""
+
+    pilot_factor: int = 3
+    n_pilot: int = 2
+    low: float = 0.125
+    high: float = 0.75
+
+
+@dataclass
+class ArrolConfig:
+    """ARRoL (seed 003): a quality head prunes trajectories inside groups after step K."""
+
+    K: int = 10
+    kappa: float = 0.5  # keep rate
+    cold_start: int = 20  # iterations without pruning while the head learns
+
+
+@dataclass
+class SelectConfig:
+    """Rollout selection stages (`--select greso,pilot-commit,cut,arrol,dapo`; run in stage-point order)."""
+
+    stages: str | None = None  # None: cut when rollout.gate is on, plus dapo when train.dapo_filter
+    gate_audit: float = 0.0  # share of the groups the gate would cut that run on anyway (kept out of the loss)
+    dapo_refill: int = 0  # extra rollout rounds to refill the batch when the DAPO filter drops groups
+    greso: GresoConfig = field(default_factory=GresoConfig)
+    pilot_commit: PilotCommitConfig = field(default_factory=PilotCommitConfig)
+    arrol: ArrolConfig = field(default_factory=ArrolConfig)
+
+
+@dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -146,6 +187,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
 
     def validate(self) -> "Config":
         checks = [
@@ -212,6 +254,9 @@ class Config:
         t_max = r.max_steps or self.env.max_steps
         if gate is not None and gate.K > t_max:
             raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
+        from agentrl.select import check_select
+
+        check_select(self)
         return self
 
 
@@ -264,7 +309,7 @@ def _merge(obj: Any, data: dict, prefix: str = "") -> None:
         where = f"{prefix}{key}"
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1)
-            extra = f" (did you mean {prefix}{hint[0]!r}?)" if hint else ""
+            extra = f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""
             raise UserError(f"unknown config key {where!r}{extra}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):

@@ -116,7 +116,8 @@ def interleave_by_type(paths: list[Path]) -> list[Path]:
 
 
 def scan_split(root: Path, split: str, task_types: Iterable[str] = (), limit: int | None = None) -> Discovery:
-    """Games of a split, filtered by task type and by solvable; corrupt files are listed, not raised.
+    """Games of a split, filtered by task type and by solvable; corrupt files are listed, not raised
+    (`agentrl data check` reports them; `discover_games` refuses them).
 
     Order: round-robin over task types, each type sorted by path (deterministic).
     """
@@ -131,7 +132,6 @@ def scan_split(root: Path, split: str, task_types: Iterable[str] = (), limit: in
         except NotSolvable:
             out.unsolvable.append(f)
         except ValueError as e:
-            log.warning("skipping corrupt game file %s: %s", f, e)
             out.corrupt.append((f, str(e)))
     return out
 
@@ -145,6 +145,10 @@ def discover_games(
     """Solvable games of `split` (task types interleaved), optionally of some types, at most `limit`."""
     root = resolve_data_root(data)
     found = scan_split(root, split, task_types, limit)
+    if found.corrupt:  # a damaged download: refuse rather than train on a silently smaller pool
+        (path, why), n = found.corrupt[0], len(found.corrupt)
+        raise UserError(f"corrupt game file {path}: {why}" + (f" (and {n - 1} more)" if n > 1 else "")
+                        + f"; fix or remove it (`agentrl data check --data {root}` lists them all)")
     if not found.games:
         what = f" of type {', '.join(task_types)}" if task_types else ""
         raise UserError(f"no solvable games{what} in split {split!r} under {split_dir(root, split)}; {HOW_TO_GET}")

@@ -9,12 +9,14 @@ its own trajectory (env_error).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agentrl import faults
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
@@ -60,6 +62,9 @@ class ModelPolicy:
         seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
         keys = [(t.game.game_id, t.index) for t in trajs]
         completions = self.sampler.generate([t.token_ids for t in trajs], self.params, seeds, keys)
+        if len(completions) != len(trajs):
+            raise RuntimeError(f"the sampler returned {len(completions)} completions for {len(trajs)} prompts")
+        completions = [self._bounded(c) for c in completions]
         self._stopped = {}  # only this step's replies are closed by observe()
         for t, c in zip(trajs, completions):
             t.append(c.token_ids, generated=True, logprobs=c.logprobs)
@@ -67,6 +72,20 @@ class ModelPolicy:
             t.adapter_versions.append(c.adapter_version)
             self._stopped[id(t)] = c.finish_reason == "stop"
         return [c.text for c in completions]
+
+    def _bounded(self, c):
+        """A completion safe to append: at most max_new_tokens ids, one log-prob per id. An empty
+        reply is kept (it parses to no action: a no-op step); an over-long one is cut and closed
+        like any reply cut at max_new_tokens."""
+        n = self.params.max_new_tokens
+        if len(c.logprobs) != len(c.token_ids):
+            raise RuntimeError(f"the sampler returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
+        if len(c.token_ids) <= n:
+            return c
+        log.warning("the sampler returned %d tokens for max_new_tokens=%d; cut to %d", len(c.token_ids), n, n)
+        ids = c.token_ids[:n]
+        text = self.sampler.tokenizer.decode(ids, skip_special_tokens=True)
+        return dataclasses.replace(c, token_ids=ids, logprobs=c.logprobs[:n], text=text, finish_reason="length")
 
     def observe(self, traj: Trajectory, observation: str) -> None:
         traj.append(self.renderer.observation(observation, self._stopped.pop(id(traj), False)), generated=False)
@@ -97,6 +116,10 @@ class Group:
     trajectories: list[Trajectory]
     signals: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> the seven signals
     cut: bool = False  # the gate stopped this group: excluded from advantages and loss
+    audited: bool = False  # the gate would have cut it; the audit let it run on (still excluded from the loss)
+    live_at_cut: int = 0  # trajectories still running when the gate fired
+    excluded_by: str | None = None  # the selection stage that kept this group out of the loss
+    pruned: list[Trajectory] = field(default_factory=list)  # stopped inside the group (ARRoL): not in the loss
     cut_step: int | None = None
     generate_s: float = 0.0  # its share of each batched generate call (by generated tokens)
     env_s: float = 0.0
@@ -112,6 +135,12 @@ class Group:
 
     @property
     def step_tokens(self) -> int:
+        """Generated tokens, pruned trajectories included (they were paid for)."""
+        return sum(sum(t.step_tokens) for t in self.trajectories + self.pruned)
+
+    @property
+    def kept_step_tokens(self) -> int:
+        """Generated tokens of the trajectories still in the group (what a group-level stage excludes)."""
         return sum(sum(t.step_tokens) for t in self.trajectories)
 
     @property
@@ -159,6 +188,8 @@ def run_lockstep(
     on_reset: Callable[[int, int], None] | None = None,
     make_env: Callable[[Game], object] = AlfworldEnv,
     envs=None,
+    stages=(),
+    first_index: int = 0,
 ) -> Rollout:
     """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K.
 
@@ -169,17 +200,21 @@ def run_lockstep(
     the waves change timings only. `stats.env_s` is the env time the caller waited for."""
     from agentrl.env.pool import LocalEnvs
 
+    from agentrl.select.cut import CutStage
+
     backend = envs if envs is not None else LocalEnvs(make_env)
+    stages = ([CutStage(gate)] if gate is not None else []) + list(stages)  # step stages: called right after step K
     stats = RolloutStats()
     wall = time.perf_counter()
-    groups = [Group(g, [Trajectory(game=g, index=i) for i in range(group_size)]) for g in games]
+    # trajectory i of a task samples with its own seeds; first_index > 0 adds trajectories to a group (Pilot-Commit)
+    groups = [Group(g, [Trajectory(game=g, index=first_index + i) for i in range(group_size)]) for g in games]
     trajs = [t for grp in groups for t in grp.trajectories]
     group_of = [grp for grp in groups for _ in grp.trajectories]
     n_waves = 2 if getattr(backend, "overlap", False) and len(groups) > 1 else 1
     waves = [_Wave(groups[w::n_waves], [k for k in range(len(trajs)) if (k // max(1, group_size)) % n_waves == w])
              for w in range(n_waves)]
     live_envs: set[int] = set()
-    ctx = _Context(trajs, group_of, groups, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, gate,
+    ctx = _Context(trajs, group_of, groups, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, stages,
                    signal_steps, wall)
 
     # resets: one group per worker per request, all sent at once (progress as they come back)
@@ -211,6 +246,7 @@ def run_lockstep(
                 reported += 1
                 if on_step is not None:
                     on_step(reported, trajs)
+                faults.point("rollout")
             wave.finished = ctx.next_step(wave)  # generate, then send the step to the envs without waiting
     for traj in trajs:
         if traj.stop_reason is None:  # max_steps == 0
@@ -249,7 +285,7 @@ class _Context:
     live_envs: set[int]
     fuzzy_threshold: float
     max_steps: int
-    gate: Gate | None
+    stages: list
     signal_steps: tuple[int, ...]
     wall: float
 
@@ -310,18 +346,15 @@ class _Context:
                 traj.stop_reason = "max_steps"
             else:
                 self.policy.observe(traj, result.observation)
-        gate = self.gate
+        acting = [stage for stage in self.stages if stage.K == step]
         for grp in wave.groups:
             if grp.cut:
                 continue
-            if step in self.signal_steps or (gate is not None and step == gate.K):
+            if step in self.signal_steps or acting:
                 grp.signals[step] = group_signals(grp, step)
-            still_running = [t for t in grp.trajectories if not t.done]
-            # a group that already finished has nothing left to save: the gate leaves it alone
-            if gate is not None and step == gate.K and still_running and gate.fires(grp.signals[step]):
-                grp.cut, grp.cut_step = True, step
-                for t in still_running:
-                    t.stop_reason = "gate_cut"
+            for stage in acting:  # the gate may stop the group, ARRoL prune inside it
+                if not grp.cut:
+                    stage.at_step(step, grp)
         finished = [k for k in wave.members if k in self.live_envs and self.trajs[k].done]
         self.backend.release(finished)  # a finished trajectory's game is released at once (not waited for)
         self.live_envs.difference_update(finished)

@@ -24,11 +24,12 @@ def group_advantages(rewards, estimator: str = "grpo", eps: float = 1e-6) -> np.
 
 
 def batch_advantages(groups, estimator: str = "grpo", dapo_filter: bool = False) -> list[tuple[object, float]]:
-    """(trajectory, advantage) for every trajectory that reaches the loss: cut groups excluded,
-    and with the DAPO filter also the remaining zero-variance groups."""
+    """(trajectory, advantage) for every trajectory that reaches the loss: cut groups and groups a
+    selection stage excluded (`excluded_by`) never enter; with `dapo_filter` neither do the
+    remaining zero-variance groups (`agentrl train` applies that filter as a stage, select/dapo.py)."""
     out = []
     for g in groups:
-        if g.cut or (dapo_filter and g.zero_variance):
+        if g.cut or getattr(g, "excluded_by", None) or (dapo_filter and g.zero_variance):
             continue
         out.extend(zip(g.trajectories, group_advantages(g.rewards, estimator).tolist()))
     return out

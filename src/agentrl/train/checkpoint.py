@@ -17,10 +17,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentrl.errors import UserError
+from safetensors.torch import load_file, save_file
+
+from agentrl import faults
+from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_text
 
 STATE = "state.json"
+TENSORS = "state.safetensors"
 
 
 @dataclass
@@ -32,6 +36,40 @@ class TrainState:
     elapsed_s: float = 0.0  # cumulative wall-clock of the run, eval included, across resumes
     bad_updates: int = 0  # non-finite losses/gradients in a row
     task_rng: dict | None = None  # numpy bit generator state of the task sampler
+    select: dict | None = None  # the selection stages' state (GRESO streaks and p, ...)
+
+
+def _split_tensors(obj, path: str = ""):
+    """(obj with every tensor replaced by {"__tensor__": key}, {key: tensor})."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": path}, {path: obj.detach().cpu().contiguous()}
+    tensors = {}
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out[k], more = _split_tensors(v, f"{path}.{k}" if path else str(k))
+            tensors |= more
+        return out, tensors
+    if isinstance(obj, (list, tuple)):
+        out = []
+        for i, v in enumerate(obj):
+            item, more = _split_tensors(v, f"{path}.{i}")
+            out.append(item)
+            tensors |= more
+        return out, tensors
+    return obj, tensors
+
+
+def _join_tensors(obj, tensors: dict):
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join_tensors(v, tensors) for v in obj]
+    return obj
 
 
 def _fsync_tree(root: Path) -> None:
@@ -54,19 +92,41 @@ def save(run: Path, state: TrainState, learner) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-"))
     try:
         learner.save_state(tmp)  # adapter, optimizer, RNG (the learner may live in another process)
-        (tmp / STATE).write_text(json.dumps(asdict(state)))
+        fields, tensors = _split_tensors(asdict(state))  # a stage's weights (ARRoL's head) go to safetensors
+        (tmp / STATE).write_text(json.dumps(fields))
+        if tensors:
+            save_file(tensors, str(tmp / TENSORS))
         _fsync_tree(tmp)
+        faults.point("checkpoint")
         if final.exists():  # a previous attempt at this iteration that never became `latest`
             shutil.rmtree(final)
         tmp.rename(final)
-    except BaseException:
+        faults.point("latest")
+        atomic_write_text(root / "latest", final.name + "\n")
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # disk full, quota, permissions: the previous checkpoint is untouched
+            previous = latest(run)
+            raise RunError(f"cannot write checkpoint {final.name}: {e.strerror or e}; the run keeps "
+                           f"{previous.name if previous else 'no checkpoint'}: fix it, then "
+                           f"`agentrl train --resume {run}`") from None
         raise
-    atomic_write_text(root / "latest", final.name + "\n")
     for old in root.iterdir():  # only now: `latest` already names the new one
         if old != final and old.name != "latest":
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     return final
+
+
+def clean_partial(run: Path) -> None:
+    """Remove what a killed run left half-written: temporary checkpoint and adapter directories,
+    and a renamed checkpoint that `latest` never named (it is redone)."""
+    named = latest(run)
+    for root in (run / "checkpoints", run / "adapters"):
+        for path in root.glob(".*") if root.is_dir() else ():
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    for path in (run / "checkpoints").glob("it*"):
+        if named is None or path.name > named.name:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def latest(run: Path) -> Path | None:
@@ -82,6 +142,15 @@ def latest(run: Path) -> Path | None:
 
 def load(path: Path, learner) -> TrainState:
     """Restore the learner's adapter weights, optimizer and RNG; return the loop state."""
-    state = TrainState(**json.loads((path / STATE).read_text()))
-    learner.load_state(path, state.adapter_version)
+    try:
+        fields = json.loads((path / STATE).read_text())
+        if (path / TENSORS).is_file():
+            fields = _join_tensors(fields, load_file(str(path / TENSORS)))
+        state = TrainState(**fields)
+        learner.load_state(path, state.adapter_version)  # safetensors + torch.load(weights_only=True): no code runs
+    except UserError:
+        raise
+    except Exception as e:  # damaged, truncated, or a pickle that is more than weights
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise UserError(f"cannot load checkpoint {path}: {e.__class__.__name__}: {first}") from None
     return state

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from agentrl import faults
 from agentrl.config import LearnerConfig
 from agentrl.train.loss import grpo_loss, token_logprobs
 
@@ -82,6 +83,7 @@ class Learner:
             logp = token_logprobs(self.model, ids, attn)
             loss = grpo_loss(logp, mask, adv, self.cfg.loss_agg, n_total=n_total, tokens_total=tokens_total)
             loss.backward()
+            faults.point("update")
             loss_sum += float(loss.detach())
             gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
         if not work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)

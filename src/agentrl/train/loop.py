@@ -1,15 +1,17 @@
 """`agentrl train` (Tier 3, on-policy): the whole loop on one screen.
 
     for each iteration:
-        games   = tasks.select(B)                         # select: B training tasks, seeded
-        rollout = roll(games, policy, gate)               # rollout: G per task in lockstep, gate after step K
-        batch   = batch_advantages(rollout.groups)        # advantage: Eq. 1; cut groups never enter
+        games   = selection.choose(tasks, B)              # select: B training tasks, seeded (GRESO may skip some)
+        rollout = roll(games, policy, step stages)        # rollout: G per task in lockstep; the gate (CUT) after step K
+        groups  = selection.keep(rollout.groups)          # filter: after-rollout stages (DAPO, with refill)
+        batch   = batch_advantages(groups)                # advantage: Eq. 1; cut and audited groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
         sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
 
-Each named step lives in its own module. The run directory holds config.yaml (the resolved
+Each named step lives in its own module; the rollout-selection stages (`--select`) are in
+agentrl/select/, one small module each behind one protocol. The run directory holds config.yaml (the resolved
 config), metrics.jsonl (one line per iteration, one per eval), adapters/v{n} and
 checkpoints/ (see checkpoint.py); `--resume RUN` continues from the last complete iteration.
 """
@@ -29,10 +31,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from agentrl import faults
 from agentrl.collect import roll
 from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
-from agentrl.errors import UserError
+from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.sampling.base import SamplingParams
 from agentrl.train import checkpoint
@@ -59,6 +62,10 @@ class TaskSampler:
 
     def select(self, n: int):
         return [self.pool[i] for i in self.rng.choice(len(self.pool), size=n, replace=False)]
+
+    def stream(self):
+        """The pool in a fresh random order (a stage that skips tasks draws as many as it needs)."""
+        return [self.pool[i] for i in self.rng.permutation(len(self.pool))]
 
     def state(self) -> dict:
         return self.rng.bit_generator.state
@@ -110,10 +117,14 @@ class Metrics:
         self.path = path
 
     def append(self, *rows: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # disk full: a torn line is cut at resume, the checkpoint is untouched
+            raise RunError(f"cannot write {self.path}: {e.strerror or e}; the run keeps its last checkpoint: "
+                           f"fix it, then `agentrl train --resume {self.path.parent}`") from None
 
     def truncate_after(self, iteration: int) -> None:
         """Keep the complete lines of iterations <= `iteration` (a torn or later line is dropped)."""
@@ -190,13 +201,14 @@ class Hooks:
     warn: callable = field(default=lambda message: log.warning("%s", message))
 
 
-def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None) -> dict:
+def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None,
+          tasks: TaskSampler | None = None) -> dict:
     """Run (or continue) a training run in `run`; return the last iteration's metrics line."""
     from agentrl.sampling import make_sampler
     from agentrl.train.remote import LearnerDied, make_learner
 
     hooks = hooks or Hooks()
-    tasks = TaskSampler(cfg)
+    tasks = tasks or TaskSampler(cfg)
     owned = learner is None
     envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
     try:
@@ -213,13 +225,18 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
 
 
 def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs) -> dict:
-    gate = cfg.rollout.parsed_gate()
+    from agentrl.select.selection import Selection
+
+    selection = Selection(cfg, sampler)  # the --select stages, their state restored on resume
     metrics = Metrics(run / "metrics.jsonl")
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None
+    if resume:
+        checkpoint.clean_partial(run)  # what a kill left half-written
     if last is not None:
         state = checkpoint.load(last, learner)
         tasks.restore(state.task_rng)
+        selection.load_state_dict(state.select)
         sampler.load_adapter(str(last / "adapter"), state.adapter_version)
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
     E, row = cfg.train.eval_every, {}
@@ -233,14 +250,21 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
 
     for it in range(state.iteration + 1, cfg.train.iterations + 1):
         t0 = time.perf_counter()
-        games = tasks.select(cfg.rollout.tasks)                                                   # select
+        faults.iteration = it
+        selection.begin(it)
         hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
         policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
-        rollout = roll(cfg, games, policy, gate, on_step=hooks.step, envs=envs)                   # rollout + gate
+
+        def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
+            return roll(cfg, games, policy, None, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,
+                        first_index=first_index)
+
+        rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, rollout_of)  # select + rollout + gate
+        groups = selection.keep(rollout, lambda n: rollout_of(tasks.select(n)), cfg.rollout.tasks)  # filter (DAPO + refill)
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
-        batch = batch_advantages(rollout.groups, cfg.train.advantage, cfg.train.dapo_filter)     # advantage
+        batch = batch_advantages(groups, cfg.train.advantage)                                     # advantage
         hooks.phase("train")
         stats = learner.update(batch)                                                             # learn
         t2 = time.perf_counter()
@@ -261,8 +285,12 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         state.elapsed_s += t4 - t0
         state.task_rng = tasks.state()
         timings = {"rollout_s": t1 - t0, "train_s": t2 - t1, "swap_s": t3 - t2, "eval_s": t4 - t3, "iteration_s": t4 - t0}
+        selection.observe(rollout.groups)
+        state.select = selection.state_dict()
         row = iteration_metrics(it, rollout, batch, stats, timings, learner.version, state.elapsed_s)
+        row |= selection.metrics(rollout.groups, batch)
         metrics.append(row, *([eval_row] if eval_row else []))
+        faults.point("metrics")
         checkpoint.save(run, state, learner)                                                      # now it counts
         hooks.done(row)
         if eval_row:

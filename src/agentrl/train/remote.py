@@ -18,11 +18,11 @@ import multiprocessing as mp
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.errors import UserError
+from agentrl.errors import RunError, UserError
 
 
-class LearnerDied(UserError):
-    """The learner process exited; the run stops and can be resumed."""
+class LearnerDied(RunError):
+    """The learner process exited; the run stops (exit code 1) and can be resumed."""
 
 
 @dataclass

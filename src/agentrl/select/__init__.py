@@ -1,0 +1,66 @@
+"""Rollout-selection stages (see base.py for the protocol) and the `--select` list."""
+
+from __future__ import annotations
+
+import difflib
+
+from agentrl.errors import UserError
+from agentrl.select.base import POINTS, Stage, StageStats
+
+# every stage, in the order the loop applies them (by stage point: before, step, after)
+STAGES = ("greso", "pilot-commit", "cut", "arrol", "dapo")
+
+
+def stage_names(cfg) -> list[str]:
+    """The configured stages in application order; without `select.stages`, what the older
+    settings imply (the gate when rollout.gate is on, the DAPO filter when train.dapo_filter)."""
+    spec = cfg.select.stages
+    if spec is None:
+        names = (["cut"] if cfg.rollout.parsed_gate() is not None else []) + (["dapo"] if cfg.train.dapo_filter else [])
+    else:
+        names = [n.strip().lower() for n in spec.split(",") if n.strip() and n.strip().lower() not in ("none", "off")]
+    for n in names:
+        if n not in STAGES:
+            hint = [s for s in STAGES if s.startswith(n)] or difflib.get_close_matches(n, STAGES, n=1)
+            raise UserError(f"unknown selection stage {n!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                            + f"; choose from {', '.join(STAGES)}")
+    return sorted(set(names), key=STAGES.index)
+
+
+def check_select(cfg) -> None:
+    """One-line errors for a bad `select` section (called by Config.validate)."""
+    s, names = cfg.select, stage_names(cfg)
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    for ok, message in [
+        ("cut" not in names or cfg.rollout.parsed_gate() is not None, "--select cut needs a gate (--gate K,d_L)"),
+        (0.0 <= s.gate_audit <= 1.0, f"select.gate_audit must be in [0, 1], got {s.gate_audit}"),
+        (s.gate_audit == 0.0 or "cut" in names, "select.gate_audit audits the gate: select cut too"),
+        (s.dapo_refill >= 0, f"select.dapo_refill must be >= 0, got {s.dapo_refill}"),
+        (s.dapo_refill == 0 or "dapo" in names, "select.dapo_refill refills what the DAPO filter drops: select dapo too"),
+        ("arrol" not in names or cfg.sampling.backend == "hf",
+         "--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)"),
+    ]:
+        if not ok:
+            raise UserError(message)
+    per_stage = {"greso": [
+        (0.0 < s.greso.p_min <= s.greso.p_init <= 1.0, f"select.greso needs 0 < p_min <= p_init <= 1, got {s.greso.p_min}, {s.greso.p_init}"),
+        (0.0 <= s.greso.target <= 1.0, f"select.greso.target must be in [0, 1], got {s.greso.target}"),
+        (0.0 < s.greso.step <= 1.0, f"select.greso.step must be in (0, 1], got {s.greso.step}"),
+    ], "pilot-commit": [
+        (s.pilot_commit.pilot_factor >= 1, f"select.pilot_commit.pilot_factor must be >= 1, got {s.pilot_commit.pilot_factor}"),
+        (1 <= s.pilot_commit.n_pilot < cfg.rollout.group_size,
+         f"select.pilot_commit.n_pilot must be in [1, G={cfg.rollout.group_size}), got {s.pilot_commit.n_pilot}"),
+        (0.0 <= s.pilot_commit.low < s.pilot_commit.high <= 1.0,
+         f"select.pilot_commit needs 0 <= low < high <= 1, got {s.pilot_commit.low}, {s.pilot_commit.high}"),
+    ], "arrol": [
+        (1 <= s.arrol.K <= t_max, f"select.arrol.K must be in [1, T_max={t_max}], got {s.arrol.K}"),
+        (0.0 < s.arrol.kappa <= 1.0, f"select.arrol.kappa must be in (0, 1], got {s.arrol.kappa}"),
+        (s.arrol.cold_start >= 0, f"select.arrol.cold_start must be >= 0, got {s.arrol.cold_start}"),
+    ]}
+    for name in names:  # a stage's parameters are checked when it is selected
+        for ok, message in per_stage.get(name, []):
+            if not ok:
+                raise UserError(message)
+
+
+__all__ = ["POINTS", "STAGES", "Stage", "StageStats", "check_select", "stage_names"]

@@ -1,0 +1,82 @@
+"""CUT_{K,d_L}, the Selective Rollout gate, as a stage (point: step K), with an online audit.
+
+After env step K a group whose G action prefixes have converged (d_K < d_L) is stopped and
+kept out of the loss. The audit (`--gate-audit a`, nobody else has it) lets a share a of the
+groups the gate would cut run to the end anyway, still kept out of the loss: their final
+rewards are the ground truth for the gate's live precision (share of would-cut groups that
+end zero-variance) and, with the groups it let run, an estimate of its recall (share of the
+zero-variance groups it catches) — numbers the paper could only get from a matched baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from agentrl.rollout.gate import Gate
+from agentrl.select.base import StageStats
+
+
+def _uniform(*key) -> float:
+    """A uniform draw in [0, 1) fixed by its key (independent of the order groups are seen in)."""
+    h = hashlib.blake2b("|".join(map(str, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2**64
+
+
+class CutStage:
+    name = "cut"
+    point = "step"
+
+    def __init__(self, gate: Gate, audit: float = 0.0, seed: int = 0):
+        self.gate, self.K, self.audit, self.seed = gate, gate.K, audit, seed
+        self.iteration, self._seen = 0, []
+
+    def begin(self, iteration: int) -> None:
+        self.iteration, self._seen = iteration, []
+
+    def at_step(self, step: int, group) -> None:
+        """Called right after env step K for a group with its signals at K."""
+        still_running = [t for t in group.trajectories if not t.done]
+        # a group that already finished has nothing left to save: the gate leaves it alone
+        if step != self.K or not still_running or not self.gate.fires(group.signals[step]):
+            return
+        group.live_at_cut = len(still_running)
+        if self.audit and _uniform(self.seed, self.iteration, group.game.game_id, "audit") < self.audit:
+            group.audited, group.excluded_by = True, "cut"  # runs to the end, kept out of the loss
+            return
+        group.cut, group.cut_step = True, step
+        for t in still_running:
+            t.stop_reason = "gate_cut"
+
+    def observe(self, groups: list) -> None:
+        self._seen = list(groups)
+
+    def stats(self) -> StageStats:
+        groups = getattr(self, "_seen", [])  # the iteration's final groups (a Pilot-Commit group includes its pilot)
+        cut, audited = [g for g in groups if g.cut], [g for g in groups if g.audited]
+        tokens = sum(g.kept_step_tokens for g in cut + audited)  # ARRoL accounts for what it pruned
+        after_k = _tokens_after_k_per_live_trajectory(groups, self.K)
+        avoided = round(after_k * sum(g.live_at_cut for g in cut)) if after_k is not None else 0
+        out = StageStats({"groups_cut": len(cut), "groups_audited": len(audited)},
+                         step_tokens_generated=tokens, step_tokens_excluded=tokens, step_tokens_avoided=avoided)
+        if audited:  # ground truth: how the groups it would have cut really ended
+            zero = sum(g.zero_variance for g in audited)
+            out.precision = zero / len(audited)
+            # zero-variance groups it would cut (estimated from the audited share) vs those it let run
+            would_cut_zero = out.precision * (len(cut) + len(audited))
+            missed = sum(g.zero_variance for g in groups if not g.cut and not g.audited and not g.excluded_by)
+            out.extra = {"recall_est": would_cut_zero / (would_cut_zero + missed) if would_cut_zero + missed else None,
+                         "audited_zero_variance": zero}
+        return out
+
+    def state_dict(self) -> dict:
+        return {}  # stateless across iterations: the audit draw is keyed by (seed, iteration, task)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _tokens_after_k_per_live_trajectory(groups: list, K: int) -> float | None:
+    """Mean step-tokens a trajectory still running at K generated after K, over the groups that
+    ran to the end (audited ones included): the cost a cut saves per trajectory it stops."""
+    spent = [sum(t.step_tokens[K:]) for g in groups if not g.cut for t in g.trajectories if len(t.step_tokens) > K]
+    return sum(spent) / len(spent) if spent else None
