@@ -78,7 +78,21 @@ def _worker(conn, kind: str) -> None:
         conn.send(out)
 
 
-class LocalEnvs:
+class _Batches:
+    """The blocking calls, the same for envs in this process and in a pool: submit, then collect."""
+
+    def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
+        return self.collect(self.submit("reset", games))
+
+    def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
+        return self.collect(self.submit("step", commands))
+
+    def release(self, handles: list[int]) -> None:
+        """Close these envs; not waited for (a pool's workers do it while the caller generates)."""
+        self.submit("release", [(h, None) for h in handles])
+
+
+class LocalEnvs(_Batches):
     """The same interface as EnvPool with the envs in this process (env.workers 0): work is done at submit."""
 
     workers = 0
@@ -117,15 +131,6 @@ class LocalEnvs:
             return EnvFailure(f"{e.__class__.__name__}: {e}")
         return None
 
-    def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
-        return self.collect(self.submit("reset", games))
-
-    def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
-        return self.collect(self.submit("step", commands))
-
-    def release(self, handles: list[int]) -> None:
-        self.submit("release", [(h, None) for h in handles])
-
     def shutdown(self) -> None:
         self.release(list(self._envs))
 
@@ -138,7 +143,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-class EnvPool:
+class EnvPool(_Batches):
     def __init__(self, workers: int, kind: str = "alfworld", timeout_s: float = 120.0, overlap: bool = True):
         if workers < 1:
             raise ValueError("an env pool needs at least one worker")
@@ -248,16 +253,6 @@ class EnvPool:
         for ping in pings:
             self.collect(ping)
         return time.perf_counter() - t0
-
-    def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
-        return self.collect(self.submit("reset", games))
-
-    def step_all(self, commands: list[tuple[int, str | None]]) -> list[StepResult | EnvFailure]:
-        return self.collect(self.submit("step", commands))
-
-    def release(self, handles: list[int]) -> None:
-        """Close these envs; not waited for (the workers do it while the caller generates)."""
-        self.submit("release", [(h, None) for h in handles])
 
     @property
     def workers(self) -> int:
