@@ -116,7 +116,6 @@ class Group:
     trajectories: list[Trajectory]
     signals: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> the seven signals
     cut: bool = False  # the gate stopped this group: excluded from advantages and loss
-    audited: bool = False  # the gate would have cut it; the audit let it run on (still excluded from the loss)
     live_at_cut: int = 0  # trajectories still running when the gate fired
     excluded_by: str | None = None  # the selection stage that kept this group out of the loss
     pruned: list[Trajectory] = field(default_factory=list)  # stopped inside the group (ARRoL): not in the loss
@@ -137,6 +136,11 @@ class Group:
     def step_tokens(self) -> int:
         """Generated tokens, pruned trajectories included (they were paid for)."""
         return sum(sum(t.step_tokens) for t in self.trajectories + self.pruned)
+
+    @property
+    def audited(self) -> bool:
+        """The gate would have cut it; the audit let it run on (still excluded from the loss)."""
+        return self.excluded_by == "cut" and not self.cut
 
     @property
     def kept_step_tokens(self) -> int:
@@ -214,7 +218,7 @@ def run_lockstep(
     waves = [_Wave(groups[w::n_waves], [k for k in range(len(trajs)) if (k // max(1, group_size)) % n_waves == w])
              for w in range(n_waves)]
     live_envs: set[int] = set()
-    ctx = _Context(trajs, group_of, groups, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, stages,
+    ctx = _Context(trajs, group_of, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, stages,
                    signal_steps, wall)
 
     # resets: one group per worker per request, all sent at once (progress as they come back)
@@ -278,7 +282,6 @@ class _Wave:
 class _Context:
     trajs: list[Trajectory]
     group_of: list[Group]
-    groups: list[Group]
     policy: object
     backend: object
     stats: RolloutStats

@@ -10,16 +10,9 @@ zero-variance groups it catches) — numbers the paper could only get from a mat
 
 from __future__ import annotations
 
-import hashlib
-
 from agentrl.rollout.gate import Gate
+from agentrl.rollout.lockstep import row_seed
 from agentrl.select.base import StageStats
-
-
-def _uniform(*key) -> float:
-    """A uniform draw in [0, 1) fixed by its key (independent of the order groups are seen in)."""
-    h = hashlib.blake2b("|".join(map(str, key)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") / 2**64
 
 
 class CutStage:
@@ -40,8 +33,9 @@ class CutStage:
         if step != self.K or not still_running or not self.gate.fires(group.signals[step]):
             return
         group.live_at_cut = len(still_running)
-        if self.audit and _uniform(self.seed, self.iteration, group.game.game_id, "audit") < self.audit:
-            group.audited, group.excluded_by = True, "cut"  # runs to the end, kept out of the loss
+        # the draw is fixed by (seed, task, iteration), whatever order the groups come in
+        if self.audit and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit:
+            group.excluded_by = "cut"  # audited: runs to the end, kept out of the loss
             return
         group.cut, group.cut_step = True, step
         for t in still_running:

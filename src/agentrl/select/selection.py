@@ -101,7 +101,7 @@ class Selection:
         return {
             "stages": {name: st.row() for name, st in stages.items()},
             "trajectories_generated": sum(len(g.trajectories) for g in groups),
-            "step_tokens_generated": sum(g.step_tokens for g in groups),  # refill rounds included
+            "step_tokens_generated": sum(g.step_tokens for g in groups),  # refill rounds and pruned included
             "step_tokens_excluded_by_stages": sum(st.step_tokens_excluded for st in stages.values()),
             # in the batch with A = 0 (a zero-variance group no stage removed): generated, not trained
             "step_tokens_zero_advantage": sum(sum(t.step_tokens) for t, a in batch if a == 0.0),

@@ -97,7 +97,6 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "grad_l2_norm": stats.grad_l2_norm,
         "loss": stats.loss,
         "train_reward": float(np.mean(rewards)) if rewards else None,
-        "step_tokens_generated": rollout.stats.step_tokens,
         "step_tokens_trained": stats.step_tokens_trained,
         "trajectories_trained": sum(a != 0.0 for _, a in batch),
         **{k: round(v, 4) for k, v in timings.items()},
