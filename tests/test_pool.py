@@ -125,11 +125,13 @@ def test_a_hung_worker_is_replaced_after_the_timeout(games):
     """SIGSTOP a worker: it does not answer within env.worker_timeout_s, so it is killed and
     replaced; its envs fail with a clear reason, the next reset works on the new worker."""
     a = games["pick_and_place_simple"]
-    with EnvPool(workers=1, timeout_s=2.0) as pool:
-        first = pool.reset_all([(0, a)])[0]
+    with EnvPool(workers=1, timeout_s=120.0) as pool:
+        first = pool.reset_all([(0, a)])[0]  # a cold worker may take seconds on a loaded machine
+        pool.timeout_s = 2.0
         hung = pool.pids[0]
         os.kill(hung, signal.SIGSTOP)
         out = pool.step_all([(0, "look")])[0]
         assert isinstance(out, EnvFailure) and "did not answer within 2s during step" in out.message
         assert pool.replaced == 1 and pool.pids[0] != hung and not _alive(hung)
+        pool.timeout_s = 120.0  # the new worker starts cold too
         assert pool.reset_all([(1, a)])[0] == first
