@@ -185,3 +185,25 @@ def test_an_adapter_for_another_model_is_refused(tmp_path, tiny_actor_dir, token
                    "--out", str(out))
     assert_clean_error(proc, r"adapter .*adapter does not fit the base model")
     assert not out.exists()
+
+
+def test_stage_totals_add_up_over_iterations(monkeypatch):
+    """The run-totals table sums each stage's decisions and step-tokens over the iterations, and
+    keeps a decision kind a stage never took (count 0) visible."""
+    from agentrl import cli
+
+    def it(cut, filtered, gen, excl):
+        return {"trajectories_generated": 8, "trajectories_trained": 4, "step_tokens_generated": gen,
+                "step_tokens_trained": gen - excl, "step_tokens_excluded_by_stages": excl, "step_tokens_zero_advantage": 0,
+                "stages": {"cut": {"decisions": {"groups_cut": cut, "groups_audited": 0},
+                                   "step_tokens_generated": excl, "step_tokens_excluded": excl, "step_tokens_avoided": 5},
+                           "dapo": {"decisions": {"groups_filtered": filtered}}}}
+
+    monkeypatch.setattr(cli.console, "width", 200)  # one line per row
+    with cli.console.capture() as out:
+        cli.print_stage_totals([it(1, 0, 100, 30), it(2, 1, 120, 40)])
+    text = out.get()
+    assert "trajectories 16 generated, 8 trained; step-tokens 220 generated, 150 trained, 70 kept out" in text
+    cut_row = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("cut"))
+    assert "groups_cut 3" in cut_row and "groups_audited 0" in cut_row and "70" in cut_row and "10" in cut_row
+    assert "groups_filtered 1" in text

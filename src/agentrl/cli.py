@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -359,10 +360,9 @@ def print_stage_totals(rows: list[dict]) -> None:
         table.add_column(col, justify="left" if col in ("stage", "decisions") else "right")
     for name in rows[-1]["stages"]:
         per = [r["stages"].get(name, {}) for r in rows]
-        decisions: dict[str, int] = {}
+        decisions: Counter = Counter()
         for p in per:
-            for k, v in p.get("decisions", {}).items():
-                decisions[k] = decisions.get(k, 0) + v
+            decisions.update(p.get("decisions", {}))  # update keeps zero counts (a stage that decided nothing)
         table.add_row(name, ", ".join(f"{k} {v}" for k, v in decisions.items()),
                       *(str(sum(p.get(k, 0) for p in per)) for k in
                         ("step_tokens_generated", "step_tokens_excluded", "step_tokens_avoided")))

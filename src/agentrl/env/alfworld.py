@@ -73,6 +73,21 @@ def _install_game_caches() -> None:
         module._parse_and_convert = _memoised_parse(module._parse_and_convert)
 
 
+def install_game_caches() -> None:
+    """The caches above, unless AGENTRL_NO_GAME_CACHE is set (to compare with textworld's own behaviour)."""
+    if not os.environ.get("AGENTRL_NO_GAME_CACHE"):
+        _install_game_caches()
+
+
+def warm_up() -> None:
+    """Import the engine and install the caches now (an env worker does it while the parent loads
+    its model), so the first reset does not pay for them."""
+    import textworld  # noqa: F401
+    from alfworld.agents.environment import alfred_tw_env  # noqa: F401
+
+    install_game_caches()
+
+
 def _memoised_parse(parse):
     @functools.lru_cache(maxsize=8192)
     def parsed(args: tuple, kwargs: tuple):
@@ -91,8 +106,7 @@ class AlfworldEnv:
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
-        if not os.environ.get("AGENTRL_NO_GAME_CACHE"):  # set it to compare with textworld's own behaviour
-            _install_game_caches()
+        install_game_caches()
 
         self.game = game
         infos = textworld.EnvInfos(won=True, admissible_commands=True)

@@ -44,13 +44,9 @@ def _worker(conn, kind: str) -> None:
 
     make_env = env_factory(kind)
     if kind == "alfworld":  # import the engine now (while the parent loads its model), not at the first reset
-        import textworld  # noqa: F401
-        from alfworld.agents.environment import alfred_tw_env  # noqa: F401
+        from agentrl.env.alfworld import warm_up
 
-        from agentrl.env.alfworld import _install_game_caches
-
-        if not os.environ.get("AGENTRL_NO_GAME_CACHE"):
-            _install_game_caches()
+        warm_up()
     envs: dict[int, object] = {}
     while True:
         op, batch = conn.recv()

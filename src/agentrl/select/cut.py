@@ -45,7 +45,7 @@ class CutStage:
         self._seen = list(groups)
 
     def stats(self) -> StageStats:
-        groups = getattr(self, "_seen", [])  # the iteration's final groups (a Pilot-Commit group includes its pilot)
+        groups = self._seen  # the iteration's final groups (a Pilot-Commit group includes its pilot)
         cut, audited = [g for g in groups if g.cut], [g for g in groups if g.audited]
         tokens = sum(g.kept_step_tokens for g in cut + audited)  # ARRoL accounts for what it pruned
         after_k = _tokens_after_k_per_live_trajectory(groups, self.K)

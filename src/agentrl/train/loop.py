@@ -1,13 +1,15 @@
 """`agentrl train` (Tier 3, on-policy): the whole loop on one screen.
 
     for each iteration:
-        games   = selection.choose(tasks, B)              # select: B training tasks, seeded (GRESO may skip some)
-        rollout = roll(games, policy, step stages)        # rollout: G per task in lockstep; the gate (CUT) after step K
-        groups  = selection.keep(rollout.groups)          # filter: after-rollout stages (DAPO, with refill)
+        rollout = selection.rollout(tasks, B, G, roll)    # select B tasks (seeded; GRESO skips, Pilot-Commit
+                                                          # allocates), rollout: G per task in lockstep, the
+                                                          # step stages (CUT gate, ARRoL) after env step K
+        groups  = selection.keep(rollout, refill, B)      # filter: after-rollout stages (DAPO, with refill)
         batch   = batch_advantages(groups)                # advantage: Eq. 1; cut and audited groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
         sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
+        selection.observe(rollout.groups)                 # stages learn the outcome (GRESO streaks, ARRoL head)
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
 
 Each named step lives in its own module; the rollout-selection stages (`--select`) are in
