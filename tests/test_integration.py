@@ -92,7 +92,9 @@ def test_prompt_examples_replay_to_a_win_in_the_engine(data_root):
 
 
 def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
-    """A tiny `rollout --tier1-ab`: both arms written, same seed -> identical first K steps."""
+    """A tiny `rollout --tier1-ab`: both arms written, same seed -> identical first K steps. The
+    OR-rule at tau_H = 0 makes the gate fire on every group still running at K (no episode of
+    these games can be won in 2 steps), so the cut happens by construction, not by sampled luck."""
     import csv
 
     from agentrl.rollout import SIGNALS
@@ -100,12 +102,12 @@ def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
     out = tmp_path / "t1"
     proc = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "rollout", "--tier1-ab", "--split", "valid_seen", "--tasks", "2", "-G", "2",
-         "--max-steps", "5", "--gate", "2,0.6", "--max-new-tokens", "32", "--out", str(out)],
+         "--max-steps", "5", "--gate", "2,0.6", "--gate-or-tau", "0", "--max-new-tokens", "32", "--out", str(out)],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "tier1.json").read_text())
-    assert report["tasks"] == 2 and report["gate"] == "2,0.6"
+    assert report["tasks"] == 2 and report["gate"].startswith("2,0.6")
     assert report["baseline"]["groups_cut"] == 0
     assert len(report["wall_saving_ci95"]) == 2 and "Tier 1 A/B" in (out / "tier1.md").read_text()
     arms = {arm: [json.loads(line) for line in (out / arm / "trajectories.jsonl").read_text().splitlines()]
@@ -119,8 +121,8 @@ def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
         gen_b = [t for t, m in zip(b["token_ids"], b["action_mask"]) if m][:first_k]
         gen_g = [t for t, m in zip(g["token_ids"], g["action_mask"]) if m][:first_k]
         assert gen_b == gen_g
-        if g["group_cut"]:
-            assert g["stop_reason"] in ("gate_cut", "won") and g["steps"] <= 2
+        assert g["group_cut"] and g["stop_reason"] == "gate_cut" and g["steps"] == 2  # every gated group cut at K
+        assert not b["group_cut"] and b["steps"] > 2  # the baseline arm runs on
     rows = list(csv.DictReader((out / "baseline" / "groups.csv").open()))
     assert rows and set(["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"]) <= set(rows[0])
     assert {int(r["K"]) for r in rows} == {5}  # K rows beyond T_max are not written

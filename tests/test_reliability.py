@@ -5,7 +5,9 @@ a sampler that returns empty or over-long completions.
 
 The faults are injected with AGENTRL_FAULT (agentrl/faults.py): the process really SIGKILLs
 itself, or really gets an ENOSPC OSError, at a named point, so the point is exact and the
-test is not a race against a timer."""
+test is not a race against a timer. The train processes run `tests/scripted_cli.py` (the CLI
+with the ScriptedSampler of tests/scripted.py): every group has reward variance by
+construction, so every iteration reaches the update (and its fault point) on any CPU."""
 
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ CONFIG = {
 }
 
 
-def agentrl(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+SCRIPTED_CLI = str(Path(__file__).with_name("scripted_cli.py"))
+
+
+def agentrl(*args: str, fault: str | None = None, scripted: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_FAULT"} | ({"AGENTRL_FAULT": fault} if fault else {})
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    entry = [SCRIPTED_CLI] if scripted else ["-m", "agentrl.cli"]
+    return subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def config_file(tmp: Path, model_dir: Path) -> Path:
@@ -55,7 +60,11 @@ def reference(tmp_path_factory, tiny_actor_dir):
     cfg = config_file(tmp, tiny_actor_dir)
     p = agentrl("train", "--config", str(cfg), "--out", str(tmp / "run"))
     assert p.returncode == 0, p.stderr
-    return cfg, outcome(tmp / "run")
+    rows, weights = outcome(tmp / "run")
+    # the events the kill points need: both iterations update the learner and swap an adapter
+    assert [(r["adapter_version"], r["step_tokens_trained"] > 0) for r in rows if r["kind"] == "iteration"] == [
+        (1, True), (2, True)]
+    return cfg, (rows, weights)
 
 
 @pytest.mark.integration  # real processes, a few seconds each
@@ -175,6 +184,7 @@ def test_model_code_in_a_model_directory_never_runs_without_the_flag(tmp_path, t
     (model / "config.json").unlink()
     (model / "config.json").write_text(json.dumps(config | {"auto_map": {
         "AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}}))
-    p = agentrl("eval", "--model", str(model), "--limit", "1", "--max-steps", "1", "--out", str(tmp_path / "out"))
+    p = agentrl("eval", "--model", str(model), "--limit", "1", "--max-steps", "1", "--out", str(tmp_path / "out"),
+                scripted=False)
     assert p.returncode == 0, p.stderr  # loaded as the plain Llama its config names
     assert not marker.exists()

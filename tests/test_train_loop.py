@@ -1,7 +1,10 @@
 """`agentrl train` end to end on a tiny model and the synthetic task: metrics, checkpoints,
 exact resume, run-directory safety. Real components: the HF sampler with LoRA hot-swap, the
 PEFT learner, the lockstep runner; the model is the tiny Llama of conftest.py taught the reply
-format in the fixture (a random 2-layer model would never produce a valid action)."""
+format in the fixture (a random 2-layer model would never produce a valid action). The sampler
+is wrapped in the ScriptedSampler of tests/scripted.py, which writes some trajectories' replies
+(with the real model's log-probs) so that the events these tests check (reward variance, an
+update, a gate cut, a prune) happen by construction on any CPU, not by sampled luck."""
 
 from __future__ import annotations
 
@@ -20,6 +23,24 @@ ITERATION_FIELDS = {
     "zero_adv_fraction", "grad_l2_norm", "loss", "train_reward", "step_tokens_generated", "step_tokens_trained",
     "rollout_s", "train_s", "swap_s", "eval_s", "adapter_version", "logprob_gap",
 }
+
+
+@pytest.fixture(autouse=True)
+def script(monkeypatch):
+    """Every sampler `make_sampler` builds here is scripted; a test may change `script.modes`."""
+    from types import SimpleNamespace
+
+    import agentrl.sampling as sampling
+    from scripted import ScriptedSampler
+
+    real, state = sampling.make_sampler, SimpleNamespace(modes=("split",), samplers=[])
+
+    def make(cfg, *args, **kwargs):
+        state.samplers.append(ScriptedSampler(real(cfg, *args, **kwargs), state.modes))
+        return state.samplers[-1]
+
+    monkeypatch.setattr(sampling, "make_sampler", make)
+    return state
 
 
 def tiny_cfg(model_dir: Path, **overrides):
@@ -55,11 +76,10 @@ def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_acto
     assert [r["iteration"] for r in evals] == [0, 2, 3]  # iteration 0, every E=2, and the last
     assert ITERATION_FIELDS <= set(its[0])
     assert all(r["groups"] == 3 and r["groups_cut"] == 0 for r in its)
-    trained = [r for r in its if r["step_tokens_trained"] > 0]
-    assert trained, "the tiny actor's groups should have reward variance"
-    for r in trained:  # the sampler used exactly the adapter the learner had: same log-probs
-        assert r["logprob_gap"] < 1e-3 and r["grad_l2_norm"] > 0
-    assert its[-1]["adapter_version"] == len(trained)
+    for r in its:  # every group has reward variance (scripted), so every iteration updates
+        assert r["zero_variance_groups"] == 0 and r["step_tokens_trained"] > 0 and r["grad_l2_norm"] > 0
+        assert r["logprob_gap"] < 1e-3  # the sampler used exactly the adapter the learner had: same log-probs
+    assert its[-1]["adapter_version"] == 3
     for before, row in zip([0] + [r["adapter_version"] for r in its], its):  # each rollout used the latest version
         assert row["rollout_adapter_versions"] == [before]
     assert (run / "checkpoints" / "latest").read_text().strip() == "it00003"
@@ -75,6 +95,7 @@ def test_resume_continues_exactly(tmp_path, tiny_actor_dir):
     run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}), resume=True)
     keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained", "adapter_version")
     a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["adapter_version"] for r in a if r["kind"] == "iteration"] == [1, 2, 3, 4]  # four real updates
     assert [r["kind"] for r in a if r["kind"] == "iteration"] == [r["kind"] for r in b if r["kind"] == "iteration"]
     for x, y in zip([r for r in a if r["kind"] == "iteration"], [r for r in b if r["kind"] == "iteration"]):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}
@@ -93,7 +114,7 @@ def test_resume_drops_metrics_after_the_checkpoint(tmp_path, tiny_actor_dir):
         f.write(json.dumps({"kind": "iteration", "iteration": 2, "loss": 9.0}) + "\n" + '{"kind": "itera')
     run_train(run, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2, "train.eval_tasks": 0}), resume=True)
     its = [r["iteration"] for r in read_metrics(run)]
-    assert its == [1, 2] and read_metrics(run)[1]["loss"] != 9.0
+    assert its == [1, 2] and read_metrics(run)[1]["loss"] != 9.0 and read_metrics(run)[1]["adapter_version"] == 2
 
 
 def test_run_directory_is_never_overwritten_silently(tmp_path, tiny_actor_dir):
@@ -126,12 +147,14 @@ def test_tier2_offpolicy_ab_from_the_command_line(tmp_path, tiny_actor_dir):
         "learner: {lora_r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}\n"
     )
 
-    def agentrl(*args):
-        proc = subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=600)
+    def agentrl(*args, entry=("-m", "agentrl.cli")):
+        proc = subprocess.run([sys.executable, *entry, *args], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
-    agentrl("rollout", "--config", str(config), "--out", str(tmp_path / "buffer"))
+    # the buffer's groups have reward variance by construction (the scripted CLI), so both arms train
+    agentrl("rollout", "--config", str(config), "--out", str(tmp_path / "buffer"),
+            entry=(str(Path(__file__).with_name("scripted_cli.py")),))
     out = agentrl("train", "--config", str(config), "--off-policy", str(tmp_path / "buffer" / "trajectories.jsonl"),
                   "--steps", "2", "--groups-per-step", "3", "--positions", "2", "--gate", "1,0.99", "--ab",
                   "--out", str(tmp_path / "ab"))
@@ -168,7 +191,7 @@ def test_two_process_layout_trains_and_the_sampler_uses_the_learners_adapter(tmp
     keys = ("loss", "grad_l2_norm", "step_tokens_trained", "adapter_version")
     assert [{k: r[k] for k in keys} for r in split] == [{k: r[k] for k in keys} for r in colocated]
     version = split[-1]["adapter_version"]
-    assert version >= 1 and sampler.adapter_version == version
+    assert version == 2 and sampler.adapter_version == version  # both iterations updated (scripted variance)
     base = load_model(str(tiny_actor_dir), "float32", "cpu", False)[0]
     reference = PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "split" / "adapters" / f"v{version}")).eval()
     ids = torch.tensor([tokenizer("Action: move mug 1 to fridge 1", add_special_tokens=False).input_ids])
@@ -245,12 +268,14 @@ SELECT_ALL = {"select.stages": "greso,pilot-commit,cut,arrol,dapo", "rollout.gat
               "learner.lr": 2e-3, "train.eval_tasks": 0}
 
 
-def test_selection_stages_compose_account_and_resume_exactly(tmp_path, tiny_actor_dir):
+def test_selection_stages_compose_account_and_resume_exactly(tmp_path, tiny_actor_dir, script):
     """All five: GRESO, Pilot-Commit, the gate with its audit, ARRoL (pruning from iteration 2) and
     the DAPO filter with refill in one run:
     every iteration's step-tokens add up (generated = trained + kept out by stages + zero-advantage),
     each stage reports its decisions, and 2 iterations + resume equal 3 straight (stage state is
-    in the checkpoint)."""
+    in the checkpoint). The script gives the gate converged groups to cut (`stall`), ARRoL full
+    groups still running at K=1 to prune (`wander`) and every other group reward variance."""
+    script.modes = ("split", "stall", "wander")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, tiny_cfg(tiny_actor_dir, **SELECT_ALL))
     rows = [r for r in read_metrics(straight) if r["kind"] == "iteration"]
@@ -261,7 +286,7 @@ def test_selection_stages_compose_account_and_resume_exactly(tmp_path, tiny_acto
                                               + r["step_tokens_zero_advantage"])
         assert r["stages"]["pilot-commit"]["decisions"]["tasks_piloted"] == 9  # pilot_factor 3 x B 3
     assert sum(r["stages"]["cut"]["decisions"]["groups_cut"] + r["stages"]["cut"]["decisions"]["groups_audited"]
-               for r in rows) > 0  # the gate acted (K=1, d_L=0.5 on the tiny model)
+               for r in rows) > 0  # the gate acted on the stalled groups (K=1, d_L=0.5)
     assert rows[0]["stages"]["arrol"]["decisions"]["trajectories_pruned"] == 0  # cold start
     assert sum(r["stages"]["arrol"]["decisions"]["trajectories_pruned"] for r in rows) > 0
     run_train(resumed, tiny_cfg(tiny_actor_dir, **SELECT_ALL | {"train.iterations": 2}))
