@@ -267,6 +267,7 @@ def train_cmd(
     groups_per_step: Annotated[int, typer.Option(help="Tier 2: groups sampled per step.")] = 4,
     positions: Annotated[int, typer.Option(help="Tier 2: action positions sampled per trajectory.")] = 8,
     ab: Annotated[bool, typer.Option("--ab", help="Tier 2: baseline and gated arms, same groups and seed (Table 4).")] = False,
+    init_adapter: Annotated[Optional[str], typer.Option(help="Start from this LoRA adapter (e.g. `agentrl sft --out DIR`); the sampler serves it as v0.")] = None,
 ) -> None:
     """GRPO on ALFWorld with the gate (Tier 3): rollout, advantages, update, hot-swap, held-out eval.
 
@@ -282,7 +283,7 @@ def train_cmd(
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
-        "train.layout": "colocate" if colocate else layout,
+        "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
@@ -297,13 +298,18 @@ def train_cmd(
     else:
         run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg = prepare_run(run, load_config(config, overrides), resume=False, force=force)
-    console.print(f"run {run} · model {cfg.model.name} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
+    console.print(f"run {run} · model {cfg.model.name}"
+                  f"{f' + {cfg.train.init_adapter}' if cfg.train.init_adapter else ''} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
                   f"B={cfg.rollout.tasks} G={cfg.rollout.group_size} T_max={cfg.rollout.max_steps or cfg.env.max_steps} · "
                   f"{cfg.train.iterations} iterations · seed {cfg.seed}")
     from agentrl.models import resolve_model
     from agentrl.train.loop import TaskSampler
 
     resolve_model(cfg.model.name)  # bad input is refused before the run directory is written
+    if cfg.train.init_adapter:
+        from agentrl.models import check_lora_adapter
+
+        check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
     tasks = TaskSampler(cfg)
     with progress_bar() as bar:
         task = bar.add_task("loading models and games", total=None, info="")
@@ -323,6 +329,56 @@ def train_cmd(
         train(cfg, run, resume=resume is not None, hooks=hooks, tasks=tasks)
     print_curve(run / "metrics.jsonl")
     console.print(f"wrote {run / 'metrics.jsonl'}; figures and tables with `agentrl report {run}`")
+
+
+# ---------------------------------------------------------------- sft
+@app.command("sft")
+def sft_cmd(
+    out: Annotated[Path, typer.Option(help="Adapter directory to write (a standard PEFT adapter + agentrl.json + sft_metrics.jsonl).")],
+    games: Annotated[Optional[int], typer.Option(help="Walkthroughs to learn from, round-robin over task types (default: all of the split).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Passes over the walkthroughs (default 2).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 5e-4).")] = None,
+    heldout_games: Annotated[Optional[int], typer.Option(help="valid_seen walkthroughs for the held-out NLL (0: none).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
+    model: ModelOpt = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed (LoRA init, batch order).")] = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    env_workers: EnvWorkersOpt = None,
+) -> None:
+    """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
+    from agentrl.train.sft import SftHooks, check_out_dir, run_sft
+
+    cfg = load_config(config, {
+        "seed": seed, "data.root": data, "model.name": model, "sft.games": games, "sft.epochs": epochs, "sft.lr": lr,
+        "sft.heldout_games": heldout_games, "env.workers": env_workers,
+    })
+    check_out_dir(out, force)  # before anything is loaded
+    from agentrl.models import resolve_model
+
+    resolve_model(cfg.model.name)
+    with progress_bar() as bar:
+        task = bar.add_task("loading model and games", total=None, info="")
+
+        def phase(name: str, total=None) -> None:
+            label = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs",
+                     "train": "training"}.get(name, name)
+            bar.update(task, description=label, completed=0, total=total if name == "train" else None, info="")
+
+        def advance(n=1, **info) -> None:
+            bar.update(task, advance=n, info=f"nll {info['nll']:.3f}" if "nll" in info else "")
+
+        def done(row: dict) -> None:
+            held = f"{row['heldout_nll']:.3f}" if row.get("heldout_nll") is not None else "-"
+            train = f"{row['train_nll']:.3f}" if row.get("train_nll") is not None else "-"
+            bar.console.print(f"epoch {row['epoch']}  train nll {train}  held-out nll {held}  {row['elapsed_s']:.0f}s")
+
+        summary = run_sft(cfg, out, force, SftHooks(phase=phase, advance=advance, done=done))
+    s = summary["sft"]
+    console.print(f"wrote {out}: LoRA r{summary['lora']['r']} on {s['examples']} walkthroughs ({s['reply_tokens']} reply tokens), "
+                  f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
+                  f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}")
+    console.print(f"next: agentrl eval --adapter {out}   or   agentrl train --init-adapter {out}")
 
 
 def print_curve(metrics_file: Path) -> None:

@@ -28,7 +28,7 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
     return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir,
-                       messages=prompt_messages(cfg.env.kind))
+                       messages=prompt_messages(cfg.env.kind, cfg.prompt))
 
 
 def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None, envs=None,

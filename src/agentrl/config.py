@@ -58,6 +58,9 @@ class EnvConfig:
 @dataclass
 class PromptConfig:
     dir: str | None = None  # None: the prompts/ folder shipped with agentrl
+    # None: what the adapter in use was trained with (its agentrl.json), else type / react
+    example: str | None = None  # type (one in-context example of the task type) | none
+    reply: str | None = None  # react (Thought + Action) | action (Action only, as warm starts are taught)
 
 
 @dataclass
@@ -116,6 +119,22 @@ class LearnerConfig:
 
 
 @dataclass
+class SftConfig:
+    """`agentrl sft`: behaviour cloning on expert walkthroughs into the learner's LoRA (rank and
+    target modules from `learner`, so GRPO continues the adapter unchanged)."""
+
+    split: str = "train"
+    games: int | None = None  # walkthroughs, round-robin over task types; None: every game of the split
+    epochs: int = 2
+    lr: float = 5e-4
+    token_budget: int = 4096  # tokens per micro-batch (games of similar length batched, no padding waste)
+    batch_games: int = 8  # games per optimizer step (micro-batches accumulate up to it)
+    grad_clip: float = 1.0
+    heldout_split: str = "valid_seen"
+    heldout_games: int = 12  # walkthroughs whose NLL is measured after each epoch (0: none)
+
+
+@dataclass
 class TrainConfig:
     """`agentrl train` (Tier 3): B = rollout.tasks, G = rollout.group_size, the gate = rollout.gate."""
 
@@ -128,6 +147,7 @@ class TrainConfig:
     eval_max_steps: int | None = None  # None: rollout T_max
     logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
+    init_adapter: str | None = None  # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0
     keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
     # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;
     # auto: split when the learner has its own CUDA device, else colocate
@@ -187,6 +207,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
 
     def validate(self) -> "Config":
@@ -210,6 +231,16 @@ class Config:
             (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
             (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
+            (self.prompt.example in (None, "type", "none"), f"prompt.example must be type or none, got {self.prompt.example!r}"),
+            (self.prompt.reply in (None, "react", "action"), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
+            (self.sft.epochs >= 1, f"sft.epochs must be >= 1, got {self.sft.epochs}"),
+            (self.sft.games is None or self.sft.games >= 1, f"sft.games must be >= 1, got {self.sft.games}"),
+            (self.sft.lr > 0, f"sft.lr must be > 0, got {self.sft.lr}"),
+            (self.sft.token_budget >= 64, f"sft.token_budget must be >= 64, got {self.sft.token_budget}"),
+            (self.sft.batch_games >= 1, f"sft.batch_games must be >= 1, got {self.sft.batch_games}"),
+            (self.sft.grad_clip > 0, f"sft.grad_clip must be > 0, got {self.sft.grad_clip}"),
+            (self.sft.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {self.sft.heldout_games}"),
+            (self.sft.split in SPLITS and self.sft.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -340,4 +371,34 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         for parent in reversed(parents):
             nested = {parent: nested}
         _merge(cfg, nested)
-    return cfg.validate()
+    return apply_adapter_prompt(cfg).validate()
+
+
+ADAPTER_RECORD = "agentrl.json"  # beside adapter_config.json: how `agentrl sft` trained the adapter
+
+
+def adapter_record(adapter: str | Path | None) -> dict | None:
+    """The agentrl.json an `agentrl sft` adapter carries (None: none there)."""
+    import json
+
+    if not adapter:
+        return None
+    f = Path(adapter) / ADAPTER_RECORD
+    if not f.is_file():
+        return None
+    try:
+        record = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {f}: {e}") from None
+    return record if isinstance(record, dict) else None
+
+
+def apply_adapter_prompt(cfg: "Config") -> "Config":
+    """Prompt settings left unset take the ones the adapter in use was trained with, so a warm
+    start is never evaluated or trained with the wrong prompt by accident."""
+    adapter = cfg.train.init_adapter or cfg.model.adapter
+    trained = (adapter_record(adapter) or {}).get("prompt", {})
+    for key in ("example", "reply"):
+        if getattr(cfg.prompt, key) is None and trained.get(key) in (("type", "none") if key == "example" else ("react", "action")):
+            setattr(cfg.prompt, key, trained[key])
+    return cfg

@@ -191,3 +191,46 @@ def load_model(name: str, dtype: str = "auto", device: str = "auto", trust_remot
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {text[0] if text else ''}"
+
+
+def check_lora_adapter(adapter: str | os.PathLike, model_name: str, trust_remote_code: bool = False) -> None:
+    """Refuse, with one line, an adapter that is not a PEFT LoRA adapter of this base model: every
+    LoRA weight must name a module of the model with matching in/out features. Reads shapes only
+    (safetensors header, the model built on the meta device): no weights are loaded."""
+    import json
+
+    from safetensors import safe_open
+
+    p = Path(adapter)
+    config_file, weights = p / "adapter_config.json", p / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights.is_file():
+        raise UserError(f"{p} is not a PEFT adapter directory (needs adapter_config.json and adapter_model.safetensors)")
+    try:
+        peft_type = json.loads(config_file.read_text()).get("peft_type")
+    except ValueError as e:
+        raise UserError(f"{config_file} is not valid JSON: {e}") from None
+    if peft_type != "LORA":
+        raise UserError(f"{p} is a {peft_type} adapter; agentrl continues LoRA adapters only")
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        with safe_open(str(weights), "pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - one line for the user
+        raise UserError(f"cannot check adapter {p} against {model_name!r}: {_one_line(e)}") from None
+    for key, shape in shapes.items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            continue
+        path = key.removeprefix("base_model.model.").split(".lora_")[0]
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise UserError(f"adapter {p} does not fit {model_name!r}: the model has no module {path}") from None
+        want = getattr(module, "in_features", None) if ".lora_A." in key else getattr(module, "out_features", None)
+        got = shape[1] if ".lora_A." in key else shape[0]
+        if want is not None and want != got:
+            raise UserError(f"adapter {p} does not fit {model_name!r}: {path} has {want} features, the adapter {got}")

@@ -1,11 +1,15 @@
 """ReAct prompt and chat rendering to exact token ids.
 
-The system message is prompts/system.txt. The in-context example of the game's task type
+The system message is prompts/system.txt (`prompt.reply: react`, replies `Thought: ...` /
+`Action: ...`) or prompts/system_action.txt (`prompt.reply: action`, replies `Action: ...`
+only: what a policy warm-started on expert walkthroughs, which carry no thoughts, was taught).
+With `prompt.example: type` (the default) the in-context example of the game's task type
 (prompts/examples/<task_type>.txt, a real train walkthrough) follows as chat turns: each of
 its observations a user turn, each Thought/Action an assistant turn; small models follow
 the format far better this way than with the example pasted into the system message. Then
 the episode: its first observation is a user turn, each reply `Thought: ...` /
-`Action: ...`, each later observation a user turn.
+`Action: ...`, each later observation a user turn. `prompt.example: none` leaves the example out:
+it doubles every prompt, and a policy trained on hundreds of demonstrations does not need it.
 
 Token ids grow by appending: [prompt] + generated + [end of turn, observation, assistant
 header] + generated + ... The ids the sampler produced are kept as they are (never
@@ -21,6 +25,9 @@ from agentrl.config import TASK_TYPES
 from agentrl.errors import UserError
 
 _SENTINEL = "\x00AGENTRL_TURN\x00"
+EXAMPLES = ("type", "none")  # prompt.example
+REPLIES = ("react", "action")  # prompt.reply
+SYSTEM_FILES = {"react": "system.txt", "action": "system_action.txt"}
 
 
 def default_prompt_dir() -> Path:
@@ -29,10 +36,11 @@ def default_prompt_dir() -> Path:
 
 
 @lru_cache(maxsize=8)
-def load_prompts(prompt_dir: str | None = None) -> tuple[str, dict[str, tuple[tuple[str, str], ...]]]:
-    """(system text, {task_type: ((observation, reply), ...)}); a clear error for a missing file."""
+def load_prompts(prompt_dir: str | None = None, reply: str = "react") -> tuple[str, dict[str, tuple[tuple[str, str], ...]]]:
+    """(system text, {task_type: ((observation, reply), ...)}); a clear error for a missing file.
+    With reply="action" the examples' replies keep only their Action line."""
     d = Path(prompt_dir) if prompt_dir else default_prompt_dir()
-    system_file = d / "system.txt"
+    system_file = d / SYSTEM_FILES[reply]
     if not system_file.is_file():
         raise UserError(f"prompt file not found: {system_file}")
     examples = {}
@@ -41,7 +49,14 @@ def load_prompts(prompt_dir: str | None = None) -> tuple[str, dict[str, tuple[tu
         if not f.is_file():
             raise UserError(f"in-context example not found: {f}")
         examples[t] = parse_example(f)
+        if reply == "action":
+            examples[t] = tuple((obs, action_reply(r)) for obs, r in examples[t])
     return system_file.read_text().strip(), examples
+
+
+def action_reply(reply: str) -> str:
+    """The `Action: ...` line of a Thought/Action reply."""
+    return next(line for line in reply.splitlines() if line.startswith("Action: "))
 
 
 def parse_example(path: Path) -> tuple[tuple[str, str], ...]:
@@ -60,13 +75,22 @@ def parse_example(path: Path) -> tuple[tuple[str, str], ...]:
     return pairs
 
 
-def episode_messages(task_type: str, first_observation: str, prompt_dir: str | None = None) -> list[dict]:
-    """System message, the task type's example as chat turns, then the episode's first observation."""
-    system, examples = load_prompts(prompt_dir)
+def episode_messages(task_type: str, first_observation: str, prompt_dir: str | None = None, example: str = "type",
+                     reply: str = "react") -> list[dict]:
+    """System message, the task type's example as chat turns (unless example="none"), then the
+    episode's first observation."""
+    system, examples = load_prompts(prompt_dir, reply)
     messages = [{"role": "system", "content": system}]
-    for obs, reply in examples[task_type]:
-        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": reply}]
+    for obs, answer in (examples[task_type] if example == "type" else ()):
+        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": answer}]
     return messages + [{"role": "user", "content": first_observation}]
+
+
+def reply_text(command: str, reply: str) -> str:
+    """The reply that teaches `command` in the given format (what parse_action reads back)."""
+    if reply == "action":
+        return f"Action: {command}"
+    raise UserError("expert replies exist only for prompt.reply 'action': walkthroughs carry no thoughts")
 
 
 class ChatRenderer:
@@ -83,6 +107,11 @@ class ChatRenderer:
         between, _, header = after[start:].partition(_SENTINEL)
         self._turn_prefix, self._turn_suffix = between, header  # suffix: end of user turn + assistant header
         self._eos_text = eos if between.startswith(eos) and eos else ""
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """Ids of the end-of-turn token a sampler stops on (written after a reply), [] if none."""
+        return self.encode(self._eos_text) if self._eos_text else []
 
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

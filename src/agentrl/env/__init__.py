@@ -34,15 +34,20 @@ def open_envs(cfg):
     return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, cfg.env.overlap)
 
 
-def prompt_messages(kind: str):
-    """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind`."""
+def prompt_messages(kind: str, prompt=None):
+    """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind` and the
+    `prompt` config section (its example / reply variant)."""
     if kind == "synthetic":
         from agentrl.env.synthetic import synthetic_messages
 
         return synthetic_messages
+    from functools import partial
+
     from agentrl.prompt import episode_messages
 
-    return episode_messages
+    if prompt is None:
+        return episode_messages
+    return partial(episode_messages, example=prompt.example or "type", reply=prompt.reply or "react")
 
 
 def find_games(kind: str, split: str, data=None, task_types=(), limit: int | None = None) -> list[Game]:

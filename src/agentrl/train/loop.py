@@ -12,6 +12,9 @@
         selection.observe(rollout.groups)                 # stages learn the outcome (GRESO streaks, ARRoL head)
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
 
+A warm start (`--init-adapter DIR`, from `agentrl sft`) is where the learner's LoRA begins and
+what the sampler serves as version 0, so iteration 0's eval shows it.
+
 Each named step lives in its own module; the rollout-selection stages (`--select`) are in
 agentrl/select/, one small module each behind one protocol. The run directory holds config.yaml (the resolved
 config), metrics.jsonl (one line per iteration, one per eval), adapters/v{n} and
@@ -148,7 +151,7 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     """Greedy episodes on the held-out tasks with the sampler's current adapter."""
     t0 = time.perf_counter()
     greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
-    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
+    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt))
     t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
     rollout = run_lockstep(games, policy, t_max, cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
                            envs=envs)
@@ -239,6 +242,8 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         tasks.restore(state.task_rng)
         selection.load_state_dict(state.select)
         sampler.load_adapter(str(last / "adapter"), state.adapter_version)
+    elif cfg.train.init_adapter:  # warm start (`agentrl sft`): the sampler serves it as version 0
+        sampler.load_adapter(cfg.train.init_adapter, 0)
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
     E, row = cfg.train.eval_every, {}
     eval_steps = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
@@ -255,7 +260,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         selection.begin(it)
         hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
         policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
-                             seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind))
+                             seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt))
 
         def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
             return roll(cfg, games, policy, None, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,

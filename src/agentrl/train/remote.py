@@ -54,7 +54,7 @@ def make_learner(cfg):
 
     device = cfg.learner.device or cfg.model.device
     model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
-    return Learner(model, cfg.learner, seed=cfg.seed)
+    return Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter)
 
 
 def _serve(conn, cfg) -> None:
@@ -65,7 +65,7 @@ def _serve(conn, cfg) -> None:
     try:
         device = cfg.learner.device or cfg.model.device
         learner = Learner(load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0],
-                          cfg.learner, seed=cfg.seed)
+                          cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter)
     except BaseException as e:  # noqa: BLE001 - reported to the main process as one line
         conn.send(("error", f"{e.__class__.__name__}: {e}"))
         return

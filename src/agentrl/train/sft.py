@@ -1,0 +1,356 @@
+"""`agentrl sft`: the warm start. Behaviour cloning on the games' expert walkthroughs.
+
+A small model wins no ALFWorld game from the prompt alone, so every GRPO group is all-fail and
+nothing is learnt. The field's answer (ETO, Trinity-RFT, "Few-Shot Butlers") is a supervised
+warm start on expert trajectories, then RL. Here:
+
+    examples = expert_dataset(games)     # replay each walkthrough through the env and the SAME
+                                         # ModelPolicy/renderer a rollout uses: exact token ids,
+                                         # mask = 1 on each reply and its end-of-turn token
+    for epoch: for step: AdamW on the masked NLL (token mean), micro-batches by a token budget
+    heldout NLL on valid_seen walkthroughs after each epoch
+    write DIR: a PEFT adapter (the learner's rank and target modules), agentrl.json (the prompt
+               it was taught with), sft_metrics.jsonl; atomically
+
+Walkthroughs carry no thoughts, so the reply taught is `Action: <command>` (prompt.reply
+"action", system_action.txt) and the in-context example is left out (prompt.example "none"):
+the dataset is what the policy will see at rollout time, token for token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config
+from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.errors import UserError
+from agentrl.sampling.base import Completion, SamplingParams
+
+log = logging.getLogger(__name__)
+DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
+
+
+# ---------------------------------------------------------------- the expert data
+class ExpertSampler:
+    """The Sampler protocol answered by the walkthrough: row `key = (game_id, index)` gets the
+    next expert command of its game as the taught reply, tokenised the way a sampler returns a
+    reply (its ids, then the end-of-turn token). Driving the ordinary ModelPolicy with it makes
+    the recorded ids exactly those of a rollout that took the same actions."""
+
+    def __init__(self, tokenizer, walkthroughs: dict[str, tuple[str, ...]], reply: str):
+        from agentrl.prompt import ChatRenderer
+
+        self.tokenizer, self.walkthroughs, self.reply = tokenizer, walkthroughs, reply
+        self.end_of_turn = ChatRenderer(tokenizer).end_of_turn_ids
+        self.adapter_version = None
+        self._steps: dict = {}
+
+    def generate(self, prompts, params: SamplingParams, seeds=None, keys=None) -> list[Completion]:
+        from agentrl.prompt import reply_text
+
+        out = []
+        for prompt, key in zip(prompts, keys):
+            step = self._steps.get(key, 0)
+            self._steps[key] = step + 1
+            walkthrough = self.walkthroughs[key[0]]
+            if step >= len(walkthrough):  # the walkthrough is over and the game not won: an empty no-op
+                out.append(Completion(list(prompt), [], [], "", "stop"))
+                continue
+            text = reply_text(walkthrough[step], self.reply)
+            ids = list(self.tokenizer(text, add_special_tokens=False).input_ids) + self.end_of_turn
+            out.append(Completion(list(prompt), ids, [0.0] * len(ids), text, "stop" if self.end_of_turn else "length"))
+        return out
+
+    def load_adapter(self, path, version=None) -> None:  # pragma: no cover - the protocol's; never called
+        raise NotImplementedError
+
+
+@dataclass
+class Example:
+    game_id: str
+    task_type: str
+    token_ids: list[int]
+    action_mask: list[int]
+
+    @property
+    def reply_tokens(self) -> int:
+        return sum(self.action_mask)
+
+
+@dataclass
+class ExpertData:
+    examples: list[Example]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (game id, why)
+    cached: bool = False
+
+
+def round_robin(games, n: int | None):
+    """n games taking one of each task type in turn (all games when n is None)."""
+    by_type = {t: [g for g in games if g.task_type == t] for t in TASK_TYPES}
+    by_type = {t: gs for t, gs in by_type.items() if gs}
+    out, i = [], 0
+    while by_type and (n is None or len(out) < n):
+        progressed = False
+        for t in list(by_type):
+            if i < len(by_type[t]) and (n is None or len(out) < n):
+                out.append(by_type[t][i])
+                progressed = True
+        if not progressed:
+            break
+        i += 1
+    return out
+
+
+def select_games(cfg: Config, split: str, n: int | None):
+    games = find_games(cfg.env.kind, split, cfg.data.root)
+    chosen = round_robin(games, n)
+    if not chosen:
+        raise UserError(f"no {split} games to learn from (data: {cfg.data.root or '$ALFWORLD_DATA'}); "
+                        "check the path, or run `agentrl data check`")
+    return chosen
+
+
+def dataset_key(games, cfg: Config, tokenizer) -> str:
+    """Changes with the games (and their walkthroughs), the prompt text and variant, the tokenizer."""
+    from agentrl.prompt import SYSTEM_FILES, default_prompt_dir
+
+    prompt_dir = Path(cfg.prompt.dir) if cfg.prompt.dir else default_prompt_dir()
+    h = hashlib.sha256()
+    h.update(json.dumps([DATASET_VERSION, cfg.env.kind, cfg.prompt.example, cfg.prompt.reply,
+                         [(g.game_id, g.split, list(g.walkthrough)) for g in games]]).encode())
+    files = [prompt_dir / SYSTEM_FILES[cfg.prompt.reply or "react"]]
+    if cfg.prompt.example == "type":
+        files += sorted((prompt_dir / "examples").glob("*.txt"))
+    for f in files:
+        h.update(f.read_bytes() if f.is_file() else b"")
+    h.update(json.dumps([tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template or ""]).encode())
+    return h.hexdigest()[:20]
+
+
+def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | None = None, on_step=None) -> ExpertData:
+    """Replay each game's walkthrough (one trajectory per game, all in lockstep) with the prompt
+    `cfg.prompt` asks for. A walkthrough that does not win its game is reported and skipped.
+    With `cache_dir` the examples are kept there, keyed by games, prompt and tokenizer."""
+    from agentrl.rollout import ModelPolicy, run_lockstep
+
+    cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
+    if cache is not None and cache.is_file():
+        rows = [json.loads(line) for line in cache.read_text().splitlines()]
+        return ExpertData([Example(**r) for r in rows if "token_ids" in r],
+                          [(r["game_id"], r["skipped"]) for r in rows if "skipped" in r], cached=True)
+    no_walkthrough = [g for g in games if not g.walkthrough]
+    games = [g for g in games if g.walkthrough]
+    sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
+    longest = max((len(g.walkthrough) for g in games), default=0)
+    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, prompt_dir=cfg.prompt.dir,
+                         messages=prompt_messages(cfg.env.kind, cfg.prompt))
+    rollout = run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
+                           make_env=env_factory(cfg.env.kind), envs=envs, on_step=on_step) if games else None
+    examples, skipped = [], [(g.game_id, "no walkthrough") for g in no_walkthrough]
+    for t in rollout.trajectories if rollout else []:
+        if t.won:
+            examples.append(Example(t.game.game_id, t.game.task_type, t.token_ids, t.action_mask))
+        else:
+            why = t.error or f"the walkthrough did not win the game (ended {t.stop_reason} after {len(t.steps)} steps)"
+            skipped.append((t.game.game_id, why))
+    env_failed = any(t.stop_reason == "env_error" for t in (rollout.trajectories if rollout else []))
+    if cache is not None and not env_failed:  # an env failure may pass: do not remember it
+        from agentrl.io import atomic_write_jsonl
+
+        atomic_write_jsonl(cache, [e.__dict__ for e in examples] + [{"game_id": g, "skipped": w} for g, w in skipped])
+    return ExpertData(examples, skipped)
+
+
+# ---------------------------------------------------------------- batching and the loss
+def micro_batches(examples: list[Example], token_budget: int) -> list[list[Example]]:
+    """Examples sorted by length and packed so that rows x longest row <= token_budget (a longer
+    example gets a batch of its own): neighbours in length, so padding costs little."""
+    out: list[list[Example]] = []
+    for e in sorted(examples, key=lambda e: len(e.token_ids)):
+        if out and (len(out[-1]) + 1) * len(e.token_ids) <= token_budget:
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
+
+
+def _tensors(batch: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(e.token_ids) for e in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, e in enumerate(batch):
+        n = len(e.token_ids)
+        ids[i, :n], attn[i, :n], mask[i, :n] = torch.tensor(e.token_ids), 1, torch.tensor(e.action_mask)
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+def masked_nll_sum(model, batch: list[Example]) -> tuple[torch.Tensor, int]:
+    """(sum of -log p over the reply tokens, their number): teacher-forced, as the learner does."""
+    from agentrl.train.loss import token_logprobs
+
+    ids, attn, mask = _tensors(batch, next(model.parameters()).device)
+    logp = token_logprobs(model, ids, attn)
+    return -(logp * mask).sum(), int(mask.sum())
+
+
+@torch.no_grad()
+def heldout_nll(model, examples: list[Example], token_budget: int) -> float | None:
+    """Mean NLL per reply token over `examples` (None: none)."""
+    if not examples:
+        return None
+    model.eval()
+    total, n = 0.0, 0
+    for batch in micro_batches(examples, token_budget):
+        s, k = masked_nll_sum(model, batch)
+        total, n = total + float(s), n + k
+    return total / max(n, 1)
+
+
+# ---------------------------------------------------------------- the run
+@dataclass
+class SftHooks:
+    """Progress callbacks (the CLI draws them with rich)."""
+
+    phase: callable = lambda name, total=None: None  # "replay" | "heldout" | "train"
+    advance: callable = lambda n=1, **info: None
+    done: callable = lambda row: None
+
+
+def lora_model(model, cfg: Config):
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.learner
+    return get_peft_model(model, LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
+                                            target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(f"{out} already exists; choose another --out or overwrite it with --force")
+
+
+def sft_prompt(cfg: Config) -> Config:
+    """The prompt a warm start is taught with: replies `Action: <cmd>`, no in-context example
+    (unless the config says otherwise)."""
+    cfg.prompt.reply = cfg.prompt.reply or "action"
+    cfg.prompt.example = cfg.prompt.example or "none"
+    if cfg.prompt.reply != "action":
+        raise UserError("agentrl sft teaches `Action: <command>` replies (walkthroughs carry no thoughts): "
+                        "use prompt.reply action")
+    return cfg
+
+
+def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
+            cache_dir: Path | None = None) -> dict:
+    """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json."""
+    from agentrl.env import open_envs
+    from agentrl.models import cache_root, load_model
+
+    hooks = hooks or SftHooks()
+    cfg = sft_prompt(cfg)
+    s = cfg.sft
+    check_out_dir(out, force)
+    games = select_games(cfg, s.split, s.games)
+    heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
+    t0 = time.perf_counter()
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
+    cache_dir = cache_dir if cache_dir is not None else cache_root() / "sft-data"
+    envs = open_envs(cfg)
+    try:
+        hooks.phase("replay", len(games))
+        data = expert_dataset(cfg, games, tokenizer, envs, cache_dir, on_step=lambda step, trajs: hooks.advance(0))
+        hooks.phase("heldout", len(heldout_games))
+        held = expert_dataset(cfg, heldout_games, tokenizer, envs, cache_dir) if heldout_games else ExpertData([])
+    finally:
+        if envs is not None:
+            envs.shutdown()
+    for game_id, why in data.skipped + held.skipped:
+        log.warning("walkthrough of %s skipped: %s", game_id, why)
+    if not data.examples:
+        raise UserError(f"none of the {len(games)} selected walkthroughs could be replayed to a win; nothing to learn")
+    replay_s = time.perf_counter() - t0
+
+    torch.manual_seed(cfg.seed)
+    policy = lora_model(model, cfg)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=cfg.learner.weight_decay)
+    batches = micro_batches(data.examples, s.token_budget)
+    steps_per_epoch = math.ceil(len(data.examples) / s.batch_games)
+    rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
+             "reply_tokens": sum(e.reply_tokens for e in data.examples),
+             "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
+             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": {"example": cfg.prompt.example,
+                                                                              "reply": cfg.prompt.reply}}]
+    rows.append({"kind": "epoch", "epoch": 0, "train_nll": None,
+                 "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "elapsed_s": round(replay_s, 3)})
+    hooks.done(rows[-1])
+    rng = random.Random(cfg.seed)
+    train_t0 = time.perf_counter()
+    for epoch in range(1, s.epochs + 1):
+        policy.train()
+        order = batches[:]
+        rng.shuffle(order)  # batches are length buckets; their order is random
+        hooks.phase("train", len(order))
+        epoch_sum, epoch_n, pending, pending_games = 0.0, 0, [], 0
+        for i, batch in enumerate(order):
+            pending.append(batch)
+            pending_games += len(batch)
+            if pending_games < s.batch_games and i < len(order) - 1:
+                continue
+            n_tokens = sum(sum(e.reply_tokens for e in b) for b in pending)
+            optimizer.zero_grad(set_to_none=True)
+            for b in pending:  # the token-mean NLL over the step's games, accumulated micro-batch by micro-batch
+                loss_sum, _ = masked_nll_sum(policy, b)
+                (loss_sum / n_tokens).backward()
+                epoch_sum += float(loss_sum.detach())
+            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+            optimizer.step()
+            epoch_n += n_tokens
+            hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
+            pending, pending_games = [], 0
+        policy.eval()
+        rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
+                     "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "steps": steps_per_epoch,
+                     "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
+        hooks.done(rows[-1])
+    summary = {
+        "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply},
+        "base_model": cfg.model.name,
+        "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
+        "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+                "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
+        "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
+        "minutes": round((time.perf_counter() - t0) / 60, 2),
+    }
+    write_adapter(policy, out, summary, rows, force)
+    return summary
+
+
+def write_adapter(policy, out: Path, summary: dict, rows: list[dict], force: bool) -> None:
+    """DIR = adapter_config.json + adapter_model.safetensors + agentrl.json + sft_metrics.jsonl,
+    written in a temporary sibling and renamed: DIR is complete or absent."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        policy.save_pretrained(tmp, safe_serialization=True)
+        (tmp / ADAPTER_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if out.exists():
+            check_out_dir(out, force)
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
