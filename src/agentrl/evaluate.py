@@ -10,6 +10,7 @@ from agentrl.config import Config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_lockstep
+from agentrl.rollout.trajectory import behaviour_metrics
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
 
@@ -43,9 +44,11 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": sum(t.stop_reason == "env_error" for t in ts),
+            **{k: v for k, v in behaviour_metrics(ts).items() if k in ("valid_action_rate", "mean_reply_tokens")},
         }
 
     return {
+        "prompt": {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react"},
         "split": cfg.eval.split,
         "policy": cfg.eval.policy,
         "model": cfg.model.name if cfg.eval.policy == "model" else None,

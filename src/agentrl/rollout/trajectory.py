@@ -87,3 +87,20 @@ class Trajectory:
         out["step_tokens"] = self.step_tokens
         out["adapter_versions"] = self.adapter_versions
         return out
+
+
+def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
+    """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
+    admissible command, mean generated tokens per reply, mean episode length (steps) and success
+    by task type. Cut or pruned trajectories count for the steps they took."""
+    steps = [s for t in trajectories for s in t.steps]
+    replies = [n for t in trajectories for n in t.step_tokens]
+    by_type: dict[str, list[bool]] = {}
+    for t in trajectories:
+        by_type.setdefault(t.game.task_type, []).append(t.won)
+    return {
+        "valid_action_rate": round(sum(s.valid for s in steps) / len(steps), 4) if steps else None,
+        "mean_reply_tokens": round(sum(replies) / len(replies), 2) if replies else None,
+        "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
+        "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
+    }

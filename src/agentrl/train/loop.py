@@ -42,6 +42,7 @@ from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_lockstep
+from agentrl.rollout.trajectory import behaviour_metrics
 from agentrl.sampling.base import SamplingParams
 from agentrl.train import checkpoint
 from agentrl.train.advantage import batch_advantages
@@ -111,6 +112,7 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "rollout_adapter_versions": sorted({v or 0 for t in rollout.trajectories for v in t.adapter_versions}),
         "logprob_gap": stats.logprob_gap,
         "skipped_update": stats.skipped,
+        **behaviour_metrics(rollout.trajectories),
     }
 
 
@@ -164,6 +166,7 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
         "success": float(np.mean(won)) if won else 0.0,
         "by_task_type": {k: {"episodes": len(v), "success": float(np.mean(v))} for k, v in sorted(by_type.items())},
         "eval_s": round(time.perf_counter() - t0, 4), "adapter_version": adapter_version,
+        **{k: v for k, v in behaviour_metrics(rollout.trajectories).items() if k != "success_by_task_type"},
     }
 
 
