@@ -347,7 +347,7 @@ def sft_cmd(
     env_workers: EnvWorkersOpt = None,
 ) -> None:
     """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
-    from agentrl.train.sft import SftHooks, check_out_dir, run_sft
+    from agentrl.train.sft import SftHooks, check_out_dir, run_sft, select_games
 
     cfg = load_config(config, {
         "seed": seed, "data.root": data, "model.name": model, "sft.games": games, "sft.epochs": epochs, "sft.lr": lr,
@@ -357,6 +357,7 @@ def sft_cmd(
     from agentrl.models import resolve_model
 
     resolve_model(cfg.model.name)
+    select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")
 

@@ -1,0 +1,294 @@
+"""`agentrl sft` (the warm start) and `agentrl train --init-adapter`: the expert data is the
+rollout token for token, SFT lowers held-out NLL, the sampler serves the warm start as v0,
+resume from a warm start is exact, bad input is one line and exit 2. Real games from ../shared,
+real PEFT adapters, the tiny Llama of conftest.py."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.config import TASK_TYPES, load_config
+from agentrl.env.data import discover_games
+from agentrl.errors import UserError
+from agentrl.train.sft import expert_dataset, micro_batches, round_robin, run_sft, sft_prompt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sft_cfg(**overrides):
+    base = {"env.workers": 0, "learner.lora_r": 4, "learner.lora_alpha": 8, "learner.target_modules": ["q_proj", "v_proj"],
+            "sft.games": 2, "sft.heldout_games": 2, "sft.epochs": 3, "sft.lr": 1e-2, "sft.batch_games": 1}
+    return sft_prompt(load_config(None, base | overrides))
+
+
+def masked_runs(ids, mask):
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenizer):
+    """One masked reply per walkthrough step, each decoding to exactly `Action: <cmd>` and its
+    end-of-turn token; the ids equal the chat template's rendering of the same conversation
+    (system prompt, no example, the env's observations), built here independently."""
+    from agentrl.env import AlfworldEnv
+    from agentrl.prompt import episode_messages
+
+    cfg = sft_cfg()
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
+    data = expert_dataset(cfg, chosen, tokenizer, envs=None, cache_dir=tmp_path)
+    assert not data.skipped and [e.game_id for e in data.examples] == [g.game_id for g in chosen]
+    for game, example in zip(chosen, data.examples):
+        runs = masked_runs(example.token_ids, example.action_mask)
+        assert [tokenizer.decode(r) for r in runs] == [f"Action: {c}<|im_end|>" for c in game.walkthrough]
+        env = AlfworldEnv(game)
+        first = env.reset().observation
+        messages = episode_messages(game.task_type, first, example="none", reply="action")
+        assert messages[0]["role"] == "system" and sum(m["role"] == "assistant" for m in messages) == 0  # no example
+        for i, command in enumerate(game.walkthrough):
+            messages.append({"role": "assistant", "content": f"Action: {command}"})
+            step = env.step(command)
+            if i < len(game.walkthrough) - 1:
+                messages.append({"role": "user", "content": step.observation})
+        assert step.won
+        env.close() if hasattr(env, "close") else None
+        rendered = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+        assert rendered[: len(example.token_ids)] == example.token_ids
+        assert tokenizer.decode(rendered[len(example.token_ids):]).strip() == ""  # the template's trailing newline
+
+
+def test_bad_walkthroughs_are_reported_by_game_and_skipped(tmp_path, games, tokenizer, monkeypatch):
+    good, short = games["pick_and_place_simple"], games["look_at_obj_in_light"]
+    unwinnable = dataclasses.replace(short, walkthrough=short.walkthrough[:-1])
+    broken_dir = tmp_path / "broken" / "trial"
+    shutil.copytree(games["pick_heat_then_place_in_recep"].path.parent, broken_dir, copy_function=shutil.copyfile)
+    (broken_dir / "game.tw-pddl").write_text("{ not a game")
+    corrupt = dataclasses.replace(games["pick_heat_then_place_in_recep"], game_id="broken/trial",
+                                  path=broken_dir / "game.tw-pddl")
+    data = expert_dataset(sft_cfg(), [good, unwinnable, corrupt], tokenizer, envs=None, cache_dir=tmp_path / "cache")
+    assert [e.game_id for e in data.examples] == [good.game_id]
+    why = dict(data.skipped)
+    assert set(why) == {unwinnable.game_id, corrupt.game_id}
+    assert "did not win" in why[unwinnable.game_id] and why[corrupt.game_id]
+    assert not list((tmp_path / "cache").glob("*.jsonl"))  # an env failure is never cached
+
+    # a clean selection is cached: the second build replays no env and gives the same examples
+    first = expert_dataset(sft_cfg(), [good, unwinnable], tokenizer, envs=None, cache_dir=tmp_path / "cache")
+    import agentrl.rollout
+
+    monkeypatch.setattr(agentrl.rollout, "run_lockstep", lambda *a, **k: pytest.fail("replayed an env on a cache hit"))
+    second = expert_dataset(sft_cfg(), [good, unwinnable], tokenizer, envs=None, cache_dir=tmp_path / "cache")
+    assert second.cached and not first.cached
+    assert [e.__dict__ for e in second.examples] == [e.__dict__ for e in first.examples]
+    assert second.skipped == first.skipped
+
+
+def test_games_round_robin_over_task_types_and_batches_respect_the_token_budget(data_root):
+    from agentrl.train.sft import Example
+
+    train = discover_games("train", data_root)
+    chosen = round_robin(train, 12)
+    assert [g.task_type for g in chosen] == [t for t in TASK_TYPES if any(g.task_type == t for g in train)] * 2
+    examples = [Example("g", "t", [1] * n, [1] * n) for n in (5, 300, 40, 41, 900, 7)]
+    batches = micro_batches(examples, 100)
+    assert sorted(len(e.token_ids) for b in batches for e in b) == sorted(len(e.token_ids) for e in examples)
+    assert all(len(b) == 1 or len(b) * max(len(e.token_ids) for e in b) <= 100 for b in batches)
+    assert [len(b) for b in batches] == [2, 2, 1, 1]  # (5, 7), (40, 41), 300, 900
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory, tiny_actor_dir, tokenizer, data_root):
+    """A real `run_sft` of the tiny actor on two train walkthroughs (the module's adapter)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("sft") / "warmstart"
+    model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir)
+    cfg = sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)})
+    summary = run_sft(cfg, out, model=model, tokenizer=tokenizer, cache_dir=out.parent / "cache")
+    return out, summary
+
+
+def test_sft_lowers_heldout_nll_and_writes_a_standard_peft_adapter(warm_start, tiny_actor_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, summary = warm_start
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "agentrl.json",
+                                               "sft_metrics.jsonl", "README.md"}
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".warmstart")]  # no temporary left behind
+    rows = [json.loads(line) for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "dataset" and rows[0]["examples"] == 2 and rows[0]["heldout_examples"] == 2
+    assert [r["epoch"] for r in rows[1:]] == [0, 1, 2, 3]
+    before, after = rows[1]["heldout_nll"], rows[-1]["heldout_nll"]
+    assert after < before - 0.1, (before, after)  # measured: 7.56 -> 7.23
+    assert summary["heldout_nll"] == {"before": before, "after": after}
+    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action"}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_actor_dir), out)  # loads unchanged
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # trained, not the zero init
+
+
+def test_the_adapters_prompt_is_used_unless_told_otherwise(warm_start):
+    out, _ = warm_start
+    cfg = load_config(None, {"model.adapter": str(out)})
+    assert (cfg.prompt.example, cfg.prompt.reply) == ("none", "action")
+    cfg = load_config(None, {"train.init_adapter": str(out), "prompt.example": "type"})
+    assert (cfg.prompt.example, cfg.prompt.reply) == ("type", "action")
+    assert (load_config().prompt.example, load_config().prompt.reply) in ((None, None), ("type", "react"))
+
+
+class Recording:
+    """The real sampler, recording what it generated (prompt, ids, log-probs) at each version."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, prompts, params, seeds=None, keys=None):
+        out = self.inner.generate(prompts, params, seeds=seeds, keys=keys)
+        self.calls += [(self.inner.adapter_version, c) for c in out]
+        return out
+
+
+def test_init_adapter_is_served_as_version_0(tmp_path, warm_start, tiny_actor_dir, monkeypatch):
+    """Iteration 0's greedy eval: the sampler's log-probs equal the warm start's loaded
+    independently with PEFT (and differ from the base model's)."""
+    import agentrl.sampling as sampling
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.train.loop import prepare_run, start_run, train
+
+    out, _ = warm_start
+    real, made = sampling.make_sampler, []
+    monkeypatch.setattr(sampling, "make_sampler", lambda *a, **k: made.append(Recording(real(*a, **k))) or made[-1])
+    cfg = load_config(None, {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 2,
+                             "train.init_adapter": str(out), "train.iterations": 0, "train.eval_tasks": 3,
+                             "sampling.max_new_tokens": 12, "rollout.gate": "off"})
+    run = tmp_path / "run"
+    start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
+    train(cfg, run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["iteration"], r["adapter_version"]) for r in rows] == [("eval", 0, 0)]
+    (sampler,) = made
+    calls = [c for v, c in sampler.calls if v == 0 and c.token_ids]
+    assert calls and len(calls) == len(sampler.calls)
+    warm = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_actor_dir), out).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_actor_dir).eval()
+    gap_base = 0.0
+    for c in calls:
+        ids = torch.tensor([list(c.prompt_ids) + list(c.token_ids)])
+        with torch.no_grad():
+            for model, is_warm in ((warm, True), (base, False)):
+                logits = model(input_ids=ids).logits[0, len(c.prompt_ids) - 1:-1].float()
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                if is_warm:
+                    assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-4), (lp, c.logprobs)
+                else:
+                    gap_base = max(gap_base, float((lp - torch.tensor(c.logprobs)).abs().max()))
+    assert gap_base > 1e-3  # the warm start really changed the policy
+
+
+def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_start, tiny_actor_dir, monkeypatch):
+    from safetensors.torch import load_file
+
+    import agentrl.sampling as sampling
+    from scripted import ScriptedSampler
+
+    from agentrl.train.loop import prepare_run, start_run, train
+
+    real, made = sampling.make_sampler, []
+    monkeypatch.setattr(sampling, "make_sampler", lambda *a, **k: made.append(ScriptedSampler(real(*a, **k), ("split",))) or made[-1])
+    out, _ = warm_start
+
+    def cfg(iterations):
+        return load_config(None, {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 2,
+                                  "env.fuzzy_threshold": 0.0, "rollout.gate": "off", "rollout.tasks": 2,
+                                  "rollout.group_size": 3, "sampling.temperature": 1.0, "sampling.max_new_tokens": 32,
+                                  "learner.lr": 1e-2, "train.init_adapter": str(out), "train.iterations": iterations,
+                                  "train.eval_tasks": 0, "seed": 5})
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    start_run(straight, prepare_run(straight, cfg(2), resume=False, force=False), force=False)
+    train(cfg(2), straight)
+    start_run(resumed, prepare_run(resumed, cfg(1), resume=False, force=False), force=False)
+    train(cfg(1), resumed)
+    c = prepare_run(resumed, None, resume=True, force=False, overrides={"train.iterations": 2})
+    assert c.train.init_adapter == str(out)
+    train(c, resumed, resume=True)
+
+    def its(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = its(straight), its(resumed)
+    assert len(made) == 3 and all(s.scripted > 0 for s in made)
+    assert [r["adapter_version"] for r in a] == [1, 2] and all(r["step_tokens_trained"] > 0 for r in a)
+    keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained")
+    assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+    wa = load_file(str(straight / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(resumed / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
+    w0 = load_file(str(out / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert {k.replace(".default", "") for k in wa} == {k.replace(".default", "") for k in w0}  # the warm start's LoRA, continued
+
+
+def agentrl(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)
+
+
+def test_bad_input_is_one_line_and_exit_2_and_nothing_is_written(tmp_path, warm_start, tiny_actor_dir):
+    out, _ = warm_start
+    not_lora = tmp_path / "not-lora"
+    not_lora.mkdir()
+    (not_lora / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    from safetensors.torch import save_file
+
+    save_file({"prompt_embeddings": torch.zeros(4, 64)}, str(not_lora / "adapter_model.safetensors"))
+    cases = [
+        (["train", "--out", str(tmp_path / "r1"), "--init-adapter", str(tmp_path / "missing")], "r1", "adapter"),
+        (["train", "--out", str(tmp_path / "r2"), "--init-adapter", str(not_lora)], "r2", "LoRA"),
+        (["train", "--out", str(tmp_path / "r3"), "--init-adapter", str(out)], "r3", "does not fit"),  # tiny adapter, default model
+        (["sft", "--out", str(tmp_path / "s1"), "--epochs", "0"], "s1", "sft.epochs"),
+        (["sft", "--out", str(tmp_path / "s2"), "--games", "0"], "s2", "sft.games"),
+        (["sft", "--out", str(tmp_path / "s3"), "--data", str(tmp_path / "empty")], "s3", "not found"),
+    ]
+    (tmp_path / "empty" / "json_2.1.1" / "valid_seen").mkdir(parents=True)  # a data root without train games
+    for args, written, needle in cases:
+        p = agentrl(*args)
+        assert p.returncode == 2, (args, p.stdout, p.stderr)
+        err = p.stderr.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err and needle in err, (args, err)
+        assert not (tmp_path / written).exists()
+
+
+def test_masked_nll_is_the_teacher_forced_nll_of_the_replies(tiny_model):
+    """The loss's reply-only vocabulary projection equals the full teacher-forced log-probs."""
+    from agentrl.train.loss import token_logprobs
+    from agentrl.train.sft import Example, _tensors, masked_nll_sum
+
+    g = torch.Generator().manual_seed(0)
+    batch = [Example("a", "t", torch.randint(0, 1000, (n,), generator=g).tolist(), [0] * (n - 4) + [1] * 4)
+             for n in (9, 14)]
+    batch[1].action_mask[3:6] = [1, 1, 1]
+    nll, n = masked_nll_sum(tiny_model, batch)
+    ids, attn, mask = _tensors(batch, "cpu")
+    with torch.no_grad():
+        want = -(token_logprobs(tiny_model, ids, attn) * mask).sum()
+    assert n == 11 and torch.allclose(nll.detach(), want, rtol=1e-5)
