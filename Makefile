@@ -12,6 +12,9 @@ ALFWORLD_DATA ?= $(if $(wildcard ../shared/data/alfworld/json_2.1.1),$(abspath .
 export ALFWORLD_DATA
 # `make train` writes a new run directory each time (never overwrites one)
 RUN ?= runs/train-$(shell date +%Y%m%d-%H%M%S)
+# the warm start `make train` begins from: built once, reused while the config's recipe is the same
+CONFIG ?= configs/default.yaml
+WARMSTART ?= $(HOME)/.cache/agentrl/warmstart/$(notdir $(basename $(CONFIG)))
 
 .PHONY: setup model train test test-fast bench clean
 
@@ -28,7 +31,8 @@ model: setup
 	$(BIN)/agentrl model prepare
 
 train: model
-	$(BIN)/agentrl train --config configs/default.yaml --out $(RUN)
+	$(BIN)/agentrl sft --config $(CONFIG) --out $(WARMSTART) --reuse --force
+	$(BIN)/agentrl train --config $(CONFIG) --init-adapter $(WARMSTART) --out $(RUN)
 	$(BIN)/agentrl report $(RUN)
 
 test: model

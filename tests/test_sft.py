@@ -292,3 +292,15 @@ def test_masked_nll_is_the_teacher_forced_nll_of_the_replies(tiny_model):
     with torch.no_grad():
         want = -(token_logprobs(tiny_model, ids, attn) * mask).sum()
     assert n == 11 and torch.allclose(nll.detach(), want, rtol=1e-5)
+
+
+def test_a_warm_start_is_reused_only_for_the_same_recipe(warm_start, tiny_actor_dir, data_root):
+    """`agentrl sft --reuse` (what `make train` runs) keeps DIR only if it was built with this recipe."""
+    from agentrl.train.sft import reusable
+
+    out, summary = warm_start
+    same = sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)})
+    assert reusable(same, out) == json.loads((out / "agentrl.json").read_text()) and summary["recipe"]
+    for change in ({"sft.epochs": 4}, {"learner.lora_r": 8}, {"seed": 1}, {"sft.games": 3}):
+        assert reusable(sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)} | change), out) is None
+    assert reusable(same, out.parent / "nothing-here") is None

@@ -340,6 +340,7 @@ def sft_cmd(
     lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (default 5e-4).")] = None,
     heldout_games: Annotated[Optional[int], typer.Option(help="valid_seen walkthroughs for the held-out NLL (0: none).")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
+    reuse: Annotated[bool, typer.Option(help="Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.")] = False,
     model: ModelOpt = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed (LoRA init, batch order).")] = None,
     data: DataOpt = None,
@@ -347,12 +348,16 @@ def sft_cmd(
     env_workers: EnvWorkersOpt = None,
 ) -> None:
     """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
-    from agentrl.train.sft import SftHooks, check_out_dir, run_sft, select_games
+    from agentrl.train.sft import SftHooks, check_out_dir, reusable, run_sft, select_games
 
     cfg = load_config(config, {
         "seed": seed, "data.root": data, "model.name": model, "sft.games": games, "sft.epochs": epochs, "sft.lr": lr,
         "sft.heldout_games": heldout_games, "env.workers": env_workers,
     })
+    if reuse and (record := reusable(cfg, out)):
+        console.print(f"{out} already holds this warm start ({record['sft']['examples']} walkthroughs, "
+                      f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
+        return
     check_out_dir(out, force)  # before anything is loaded
     from agentrl.models import resolve_model
 
@@ -467,16 +472,24 @@ def metrics_line(row: dict, iterations: int) -> str:
     if row["kind"] == "eval":
         types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
         return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{100 * row['success']:.1f}%[/] "
-                f"({row['tasks']} tasks, {row['split']})  {types}  {row['eval_s']:.1f}s")
-
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
+                f"({row['tasks']} tasks, {row['split']})  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
 
     return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
             f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
-            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}")
+            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}")
+
+
+def num(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def behaviour(row: dict) -> str:
+    """valid-action rate, reply length and episode length of a metrics row."""
+    rate = row.get("valid_action_rate")
+    return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok  "
+            f"episode {num(row.get('mean_episode_steps'), '.1f')} steps")
 
 
 # ---------------------------------------------------------------- analyze

@@ -87,6 +87,7 @@ class EvalConfig:
 @dataclass
 class RolloutConfig:
     split: str = "train"
+    task_types: list[str] = field(default_factory=list)  # train on these task types only (empty: all)
     tasks: int = 10  # B
     group_size: int = 8  # G
     max_steps: int | None = None  # None: env.max_steps
@@ -127,7 +128,7 @@ class SftConfig:
     games: int | None = None  # walkthroughs, round-robin over task types; None: every game of the split
     epochs: int = 2
     lr: float = 5e-4
-    token_budget: int = 4096  # tokens per micro-batch (games of similar length batched, no padding waste)
+    token_budget: int = 2048  # tokens per micro-batch (games of similar length batched, no padding waste)
     batch_games: int = 8  # games per optimizer step (micro-batches accumulate up to it)
     grad_clip: float = 1.0
     heldout_split: str = "valid_seen"
@@ -245,7 +246,7 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        for t in self.eval.task_types:
+        for t in [*self.eval.task_types, *self.rollout.task_types]:
             check_task_type(t)
         r = self.rollout
         for ok, message in [

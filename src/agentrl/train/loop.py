@@ -59,7 +59,7 @@ class TaskSampler:
         kind, t = cfg.env.kind, cfg.train
         self.held_out = find_games(kind, t.eval_split, cfg.data.root, limit=t.eval_tasks) if t.eval_tasks else []
         held_ids = {g.game_id for g in self.held_out}
-        pool = find_games(kind, cfg.rollout.split, cfg.data.root)
+        pool = find_games(kind, cfg.rollout.split, cfg.data.root, cfg.rollout.task_types)
         self.pool = [g for g in pool if g.game_id not in held_ids]  # disjoint even if the splits are the same
         if len(self.pool) < cfg.rollout.tasks:
             raise UserError(f"rollout.tasks={cfg.rollout.tasks} but split {cfg.rollout.split!r} has only "

@@ -254,6 +254,29 @@ def sft_prompt(cfg: Config) -> Config:
     return cfg
 
 
+def recipe(cfg: Config) -> dict:
+    """Everything that decides what a warm start is (not where or how fast it is built)."""
+    from dataclasses import asdict
+
+    lc = cfg.learner
+    return {"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
+            "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir},
+            "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
+                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
+            "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION}
+
+
+def reusable(cfg: Config, out: Path) -> dict | None:
+    """The record of the warm start in `out` if it was built with this very recipe, else None."""
+    f = out / ADAPTER_RECORD
+    try:
+        record = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    return record if done and record.get("recipe") == recipe(sft_prompt(cfg)) else None
+
+
 def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
             cache_dir: Path | None = None) -> dict:
     """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json."""
@@ -336,6 +359,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((time.perf_counter() - t0) / 60, 2),
+        "recipe": recipe(cfg),
     }
     write_adapter(policy, out, summary, rows, force)
     return summary
