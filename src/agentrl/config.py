@@ -55,6 +55,10 @@ class EnvConfig:
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
 
+PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context example, or none
+PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
+
+
 @dataclass
 class PromptConfig:
     dir: str | None = None  # None: the prompts/ folder shipped with agentrl
@@ -232,8 +236,8 @@ class Config:
             (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
             (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
-            (self.prompt.example in (None, "type", "none"), f"prompt.example must be type or none, got {self.prompt.example!r}"),
-            (self.prompt.reply in (None, "react", "action"), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
+            (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
+            (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
             (self.sft.epochs >= 1, f"sft.epochs must be >= 1, got {self.sft.epochs}"),
             (self.sft.games is None or self.sft.games >= 1, f"sft.games must be >= 1, got {self.sft.games}"),
             (self.sft.lr > 0, f"sft.lr must be > 0, got {self.sft.lr}"),
@@ -399,7 +403,7 @@ def apply_adapter_prompt(cfg: "Config") -> "Config":
     start is never evaluated or trained with the wrong prompt by accident."""
     adapter = cfg.train.init_adapter or cfg.model.adapter
     trained = (adapter_record(adapter) or {}).get("prompt", {})
-    for key in ("example", "reply"):
-        if getattr(cfg.prompt, key) is None and trained.get(key) in (("type", "none") if key == "example" else ("react", "action")):
+    for key, allowed in (("example", PROMPT_EXAMPLES), ("reply", PROMPT_REPLIES)):
+        if getattr(cfg.prompt, key) is None and trained.get(key) in allowed:
             setattr(cfg.prompt, key, trained[key])
     return cfg

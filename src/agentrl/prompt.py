@@ -25,8 +25,6 @@ from agentrl.config import TASK_TYPES
 from agentrl.errors import UserError
 
 _SENTINEL = "\x00AGENTRL_TURN\x00"
-EXAMPLES = ("type", "none")  # prompt.example
-REPLIES = ("react", "action")  # prompt.reply
 SYSTEM_FILES = {"react": "system.txt", "action": "system_action.txt"}
 
 

@@ -31,20 +31,26 @@ class UpdateStats:
     stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
 
 
+def lora_config(cfg: LearnerConfig):
+    """The LoRA the learner trains (and `agentrl sft` warm-starts, so GRPO continues it unchanged)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+
+
 class Learner:
     def __init__(self, model, cfg: LearnerConfig, seed: int = 0, init_adapter: str | None = None):
         """`init_adapter`: a PEFT LoRA directory (e.g. `agentrl sft`'s) the policy starts from,
         trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`."""
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel, get_peft_model
 
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.cfg = cfg
         if init_adapter:
             self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
         else:
-            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                              target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
-            self.model = get_peft_model(model, lora)
+            self.model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()

@@ -231,11 +231,11 @@ class SftHooks:
 
 
 def lora_model(model, cfg: Config):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    lc = cfg.learner
-    return get_peft_model(model, LoraConfig(r=lc.lora_r, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
-                                            target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+    from agentrl.train.learner import lora_config
+
+    return get_peft_model(model, lora_config(cfg.learner))
 
 
 def check_out_dir(out: Path, force: bool) -> None:
