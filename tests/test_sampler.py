@@ -134,3 +134,39 @@ def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
     alone = HFSampler(tiny_model, tokenizer).generate([prompts[1]], params, seeds=[2])
     assert group[1].token_ids == alone[0].token_ids
     assert group[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+
+
+def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, tokenizer):
+    """Prefill batches rows whose new tokens differ in length (pads between each row's cached
+    prefix and its new tokens, masked out): every row must sample exactly what it samples alone,
+    fresh prompts and continued ones (different cached lengths) alike."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    texts = ["you are in the middle of a room", "you are in the middle of a big room", "you see a desk 1 and a bed 1 here"]
+    fresh = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    assert len({len(p) for p in fresh}) > 1
+    obs = tokenizer("you arrive at desk 1 and see a lamp", add_special_tokens=False).input_ids
+    batched = HFSampler(tiny_model, tokenizer)
+    first = batched.generate(fresh, params, seeds=[1, 2, 3], keys=[0, 1, 2])
+    assert batched.prefill_pad_tokens > 0  # the fresh rows shared a bucket
+    turn2 = [p + c.token_ids + obs[: len(obs) - i] for i, (p, c) in enumerate(zip(fresh, first))]
+    pads = batched.prefill_pad_tokens
+    second = batched.generate(turn2, params, seeds=[4, 5, 6], keys=[0, 1, 2])
+    assert batched.prefill_pad_tokens > pads and batched.reused_tokens > 0  # continued rows, padded, cache reused
+    for i in range(3):
+        alone = HFSampler(tiny_model, tokenizer)
+        a1 = alone.generate([fresh[i]], params, seeds=[i + 1])[0]
+        a2 = alone.generate([turn2[i]], params, seeds=[i + 4])[0]
+        assert (a1.token_ids, a2.token_ids) == (first[i].token_ids, second[i].token_ids)
+        assert a1.logprobs + a2.logprobs == pytest.approx(first[i].logprobs + second[i].logprobs, abs=1e-4)
+        assert alone.prefill_pad_tokens == 0
+
+
+def test_length_buckets_bound_the_padding():
+    from agentrl.sampling.hf import _length_buckets
+
+    lengths = {0: 10, 1: 11, 2: 12, 3: 40, 4: 41, 5: 200}
+    buckets = _length_buckets(sorted(lengths, key=lengths.get), lengths.get)
+    assert buckets == [[0, 1, 2], [3, 4], [5]]
+    for b in buckets:
+        real = sum(lengths[i] for i in b)
+        assert len(b) * max(lengths[i] for i in b) - real <= 0.25 * real

@@ -51,7 +51,10 @@ class EnvConfig:
     max_steps: int = 30  # T_max; an invalid action still counts
     fuzzy_threshold: float = 85.0  # rapidfuzz ratio (0-100) needed to map an action to an admissible command
     workers: int | str = "auto"  # env worker processes: auto (one per available core; 0 for synthetic) | N | 0 (in-process)
-    overlap: bool = True  # with workers: generate for one wave of groups while the workers step the other
+    # with workers: generate for one wave of groups while the workers step the other. auto: on when
+    # the sampler runs on a GPU; off on CPU, where two half batches decode slower than one and the
+    # workers take the cores torch would use (README: measured)
+    overlap: bool | str = "auto"
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
 
@@ -233,6 +236,7 @@ class Config:
             (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
             (self.env.workers == "auto" or (isinstance(self.env.workers, int) and self.env.workers >= 0),
              f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {self.env.workers!r}"),
+            (self.env.overlap in ("auto", True, False), f"env.overlap must be auto, true or false, got {self.env.overlap!r}"),
             (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
             (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),

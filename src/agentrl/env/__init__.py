@@ -31,7 +31,21 @@ def open_envs(cfg):
         return None
     from agentrl.env.pool import EnvPool
 
-    return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, cfg.env.overlap)
+    return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, env_overlap(cfg))
+
+
+def env_overlap(cfg) -> bool:
+    """env.overlap resolved: auto is on when the sampler runs on a GPU (vllm, or a CUDA device)."""
+    if cfg.env.overlap != "auto":
+        return bool(cfg.env.overlap)
+    if cfg.sampling.backend == "vllm":
+        return True
+    device = cfg.model.device
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return str(device).startswith("cuda")
 
 
 def prompt_messages(kind: str, prompt=None):

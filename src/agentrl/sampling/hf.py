@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, SamplingParams
@@ -38,6 +39,7 @@ class HFSampler:
         self._kv_older: dict = {}  # caches of keys the last call did not continue
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
+        self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
         if adapter:
             self.load_adapter(adapter, version=0)
 
@@ -116,7 +118,7 @@ class HFSampler:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
         reuse = [self._reusable(p, None if keys is None else keys[i], previous) for i, p in enumerate(prompts)]
-        logits, cache, attention = self._prefill(prompts, reuse)
+        logits, cache, attention = self._prefill(prompts, reuse, room=params.max_new_tokens)
         step_pos = torch.tensor([[len(p) - 1] for p in prompts], device=device)
         generators = None
         if not params.greedy:
@@ -170,57 +172,70 @@ class HFSampler:
             for i in range(n)
         ]
 
-    def _prefill(self, prompts, reuse):
-        """Run each prompt's new tokens through the model, bucketed by (cached, new) lengths so no
-        compute is spent on padding; then stack the rows, left-padded, into one cache for decoding.
+    def _prefill(self, prompts, reuse, room: int):
+        """Run each prompt's new tokens through the model and stack the rows, left-padded, into one
+        cache for decoding with `room` free positions per row. Rows are batched by new-token length
+        (a bucket pads at most a quarter of its real tokens): each row's new tokens sit right after
+        its own cached prefix, pads go between the two and the attention mask skips them, so a
+        bucket is one forward however its rows' cached lengths differ. Identical prompts (the G
+        rows of a group at step 1) are run once and shared.
         Returns (last-position logits [n, V], cache, attention mask [n, W])."""
-        from collections import defaultdict
-
         from transformers import DynamicCache
 
         device = self.device
-        buckets = defaultdict(list)
-        for i, (c, _) in enumerate(reuse):
-            buckets[(c, len(prompts[i]) - c)].append(i)
         self.reused_tokens += sum(c for c, _ in reuse)
-        row_logits, row_kv = [None] * len(prompts), [None] * len(prompts)
-        for (c, m), bucket in buckets.items():
-            # identical prompts (the G rows of a group at step 1) are run once and shared
-            first: dict[tuple, int] = {}
-            for i in bucket:
-                first.setdefault(tuple(prompts[i]), i)
-            rows = list(first.values())
-            ids = torch.tensor([prompts[i][c:] for i in rows], device=device)
-            self.prefill_tokens += ids.numel()
-            pos = torch.arange(c, c + m, device=device).expand(len(rows), m)
+        first: dict[tuple, int] = {}  # (prompt, cached length) -> the row that runs it
+        for i, (c, _) in enumerate(reuse):
+            first.setdefault((tuple(prompts[i]), c), i)
+        runs = sorted(first.values(), key=lambda i: len(prompts[i]) - reuse[i][0])
+        row_logits, row_kv = {}, {}
+        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - reuse[i][0]):
+            cached = [reuse[i][0] for i in bucket]
+            new = [len(prompts[i]) - c for i, c in zip(bucket, cached)]
+            W, M = max(cached), max(new)
+            ids = torch.full((len(bucket), M), self.pad_id, dtype=torch.long)
+            pos = torch.zeros((len(bucket), M), dtype=torch.long)
+            attention = torch.zeros((len(bucket), W + M), dtype=torch.long)
+            for j, (i, c, m) in enumerate(zip(bucket, cached, new)):
+                ids[j, M - m :] = torch.tensor(prompts[i][c:])
+                pos[j, M - m :] = torch.arange(c, c + m)
+                attention[j, W - c : W] = 1
+                attention[j, W + M - m :] = 1
+            self.prefill_tokens += sum(new)
+            self.prefill_pad_tokens += len(bucket) * M - sum(new)
             past = None
-            if c:
-                layers = zip(*[reuse[i][1] for i in rows])  # per layer: the rows' (k, v)
-                past = [(torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])) for kv in layers]
+            if W:
+                past, shapes = [], next(reuse[i][1] for i in bucket if reuse[i][0])
+                for layer, (k0, v0) in enumerate(shapes):
+                    k = k0.new_zeros((len(bucket), k0.shape[1], W, k0.shape[3]))
+                    v = v0.new_zeros((len(bucket), v0.shape[1], W, v0.shape[3]))
+                    for j, (i, c) in enumerate(zip(bucket, cached)):
+                        if c:
+                            k[j, :, W - c :] = reuse[i][1][layer][0][0]
+                            v[j, :, W - c :] = reuse[i][1][layer][1][0]
+                    past.append((k, v))
             cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
-            out = self.model(input_ids=ids, attention_mask=torch.ones((len(rows), c + m), dtype=torch.long, device=device),
-                             position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            for i in bucket:
-                j = rows.index(first[tuple(prompts[i])])
+            attention = attention.to(device)
+            out = self.model(input_ids=ids.to(device), attention_mask=attention, position_ids=pos.to(device),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for j, i in enumerate(bucket):
                 row_logits[i] = out.logits[j, -1].float()
-                row_kv[i] = [(layer.keys[j : j + 1], layer.values[j : j + 1]) for layer in cache.layers]
+                keep = attention[j].nonzero().squeeze(-1)
+                row_kv[i] = [(layer.keys[j, :, keep], layer.values[j, :, keep]) for layer in cache.layers]
+        runner = [first[(tuple(p), c)] for p, (c, _) in zip(prompts, reuse)]
         width = max(len(p) for p in prompts)
         attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
             attention[i, width - len(p) :] = 1
-        if len(prompts) == 1:
-            stacked = row_kv[0]
-        else:
-            stacked = []
-            for layer, (k0, v0) in enumerate(row_kv[0]):
-                k = k0.new_zeros((len(prompts), k0.shape[1], width, k0.shape[3]))
-                v = v0.new_zeros((len(prompts), v0.shape[1], width, v0.shape[3]))
-                for i, kv in enumerate(row_kv):
-                    length = kv[layer][0].shape[2]
-                    k[i, :, width - length :] = kv[layer][0][0]
-                    v[i, :, width - length :] = kv[layer][1][0]
-                stacked.append((k, v))
-        return torch.stack(row_logits), DynamicCache(ddp_cache_data=stacked), attention
+        layers = []
+        for layer, (k0, v0) in enumerate(row_kv[runner[0]]):
+            k = k0.new_zeros((len(prompts), k0.shape[0], width + room, k0.shape[2]))
+            v = v0.new_zeros((len(prompts), v0.shape[0], width + room, v0.shape[2]))
+            for i, p in enumerate(prompts):
+                k[i, :, width - len(p) : width] = row_kv[runner[i]][layer][0]
+                v[i, :, width - len(p) : width] = row_kv[runner[i]][layer][1]
+            layers.append(_RoomyLayer(k, v, width))
+        return torch.stack([row_logits[r] for r in runner]), Cache(layers=layers), attention
 
     def _save(self, key, fed_ids: list[int], cache, attention: torch.Tensor, row: int) -> None:
         """Keep one row's cache, pads removed, for the next call on the same key."""
@@ -241,3 +256,49 @@ class HFSampler:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         picks = [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)]
         return torch.cat(picks)
+
+
+def _length_buckets(rows: list[int], length, waste: float = 0.25) -> list[list[int]]:
+    """Split rows sorted by length into runs that each pad at most `waste` of their real tokens
+    when padded to their longest row."""
+    buckets: list[list[int]] = []
+    for i in rows:
+        if buckets:
+            b = buckets[-1]
+            total = sum(length(r) for r in b) + length(i)
+            if (len(b) + 1) * length(i) - total <= waste * total:
+                b.append(i)
+                continue
+        buckets.append([i])
+    return buckets
+
+
+class _RoomyLayer(DynamicLayer):
+    """A cache layer whose keys and values sit in a buffer with room for the tokens still to be
+    decoded: each decode step writes its column in place, where DynamicLayer copies the whole
+    cache (torch.cat) at every token, the largest cost of CPU decoding after the matmuls."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self._k, self._v, self.length = keys, values, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        m = key_states.shape[-2]
+        if self.length + m > self._k.shape[2]:  # out of room: grow like DynamicLayer
+            self._k = torch.cat([self.keys, key_states], dim=-2)
+            self._v = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self._k[:, :, self.length : self.length + m] = key_states
+            self._v[:, :, self.length : self.length + m] = value_states
+        self.length += m
+        self._views()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._views()
