@@ -73,7 +73,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--tasks", type=int, default=4, help="B")
     ap.add_argument("--group-size", type=int, default=4, help="G")
-    ap.add_argument("--eval-tasks", type=int, default=140, help="H: valid_seen games of train's evals")
+    ap.add_argument("--eval-tasks", type=int, default=0,
+                    help="H: valid_seen games of train's own evals (default 0: each arm's final adapter is evaluated "
+                         "afterwards by `agentrl eval` on the warm start's games, so iteration 0 is not run twice)")
     ap.add_argument("--max-steps", type=int, default=30, help="T_max of every rollout and eval")
     ap.add_argument("--gate", default="10,0.12")
     ap.add_argument("--tier1-tasks", type=int, default=16)
@@ -129,6 +131,15 @@ def main() -> None:
         run(["report", str(w / "gated"), str(w / "ungated"), "--out", str(w / "report")], w / "report" / "report.md", log)
     timed("grpo", arms)
 
+    def arm_evals():  # each arm's last adapter, greedy, on the games the warm start was evaluated on
+        for name in ("gated", "ungated"):
+            last = sorted((w / name / "checkpoints").glob("it*"))[-1] / "adapter"
+            out = w / f"eval-{name}-valid_seen"
+            run(["eval", "--split", "valid_seen", "--max-steps", str(args.max_steps), "--out", str(out),
+                 "--limit", str(args.eval_limit or 100_000), "--adapter", str(last), *common, *workers],
+                out / "summary.json", log)
+    timed("arm_evals", arm_evals)
+
     t1 = w / "tier1"
     timed("tier1", lambda: run(["rollout", "--tier1-ab", "--adapter", str(ws), "--tasks", str(args.tier1_tasks),
                                 "-G", str(args.group_size), "--max-steps", str(args.max_steps), "--gate", args.gate, "--out", str(t1),
@@ -140,9 +151,10 @@ def main() -> None:
              f"warm start: {args.games} train walkthroughs, {args.epochs} epochs: "
              + json.dumps(json.loads((ws / 'agentrl.json').read_text()).get("heldout_nll")), "",
              f"| greedy, T_max {args.max_steps} | valid_seen | valid_unseen |", "|---|---|---|"]
-    for name in ("base", "warmstart"):
-        lines.append(f"| {name} | {success(w / f'eval-{name}-valid_seen' / 'summary.json')} | "
-                     f"{success(w / f'eval-{name}-valid_unseen' / 'summary.json')} |")
+    for name in ("base", "warmstart", "gated", "ungated"):
+        seen, unseen = (w / f"eval-{name}-{split}" / "summary.json" for split in ("valid_seen", "valid_unseen"))
+        label = name if name in ("base", "warmstart") else f"GRPO {name}, {args.iterations} iterations"
+        lines.append(f"| {label} | {success(seen)} | {success(unseen) if unseen.exists() else '-'} |")
     lines += ["", f"minutes per step: {json.dumps(timings)}", "", "## GRPO from the warm start: gated vs ungated", "",
               (w / "report" / "report.md").read_text(), "", "## Tier 1 A/B with the warm start", "", (t1 / "tier1.md").read_text()]
     text = "\n".join(lines)

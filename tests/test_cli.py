@@ -207,3 +207,21 @@ def test_stage_totals_add_up_over_iterations(monkeypatch):
     cut_row = next(line for line in text.splitlines() if line.lstrip("│ ").startswith("cut"))
     assert "groups_cut 3" in cut_row and "groups_audited 0" in cut_row and "70" in cut_row and "10" in cut_row
     assert "groups_filtered 1" in text
+
+
+def test_doctor_says_which_vllm_and_torch_it_found_and_whether_the_sampler_supports_them(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    import agentrl.sampling.vllm  # noqa: F401 - imported before versions are faked
+    from agentrl import doctor
+
+    versions = {"vllm": "0.33.0", "torch": "2.14.1"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name] if name in versions else real(name))
+    c = doctor.check_vllm()
+    assert c.status == "ok" and c.detail == "vLLM 0.33.0 with torch 2.14.1: supported by the sampler"
+    versions["vllm"] = "0.9.1"
+    c = doctor.check_vllm()
+    assert c.status == "warn" and "outside the range" in c.detail and "vllm>=0.10.2,<0.34" in c.fix

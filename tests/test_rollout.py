@@ -112,3 +112,26 @@ def test_group_advantages_eq1():
     assert np.all(group_advantages([1, 1, 1]) == 0)
     assert group_advantages([1, 0, 0], "rloo").tolist() == [1.0, -0.5, -0.5]
     assert group_advantages([1, 0], "dr_grpo").tolist() == [0.5, -0.5]
+
+
+def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, tokenizer):
+    """vLLM ends a request early at max_model_len (the hf backend would go on): the rollout ends
+    such an episode before it, as `context_full`, so no reply is ever cut by the context."""
+    from agentrl.rollout import ModelPolicy
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.hf import HFSampler
+
+    sampler = HFSampler(tiny_model, tokenizer)
+    assert sampler.max_model_len == tiny_model.config.max_position_embeddings  # the model's own limit by default
+    params = SamplingParams(1.0, 1.0, 8)
+    game = games["pick_and_place_simple"]
+    probe = run_lockstep([game], ModelPolicy(sampler, params, seed=1), max_steps=1, fuzzy_threshold=0, group_size=1)
+    first = len(probe.trajectories[0].token_ids)
+    sampler.max_model_len = first + 60 + params.max_new_tokens  # room for the first prompt and about one more turn
+    seen: list[int] = []
+    inner = sampler.generate
+    sampler.generate = lambda prompts, *a, **k: (seen.extend(len(p) for p in prompts), inner(prompts, *a, **k))[1]
+    rollout = run_lockstep([game], ModelPolicy(sampler, params, seed=1), max_steps=20, fuzzy_threshold=0, group_size=2)
+    for t in rollout.trajectories:
+        assert t.stop_reason == "context_full" and 1 <= len(t.steps) < 20
+    assert max(seen) + params.max_new_tokens <= sampler.max_model_len

@@ -66,6 +66,12 @@ class TransformersEngine:
     def remove_lora(self, lora_id: int) -> bool:
         return self.loras.pop(lora_id, None) is not None
 
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    def reset_prefix_cache(self) -> bool:  # no prefix cache here
+        return True
+
     @torch.no_grad()
     def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=True):
         model = self.base if lora_request is None else self.loras[lora_request.lora_int_id]
@@ -240,3 +246,37 @@ def test_adapter_version_follows_load_adapter(sampler, prompts, adapters, tmp_pa
 def test_one_seed_per_prompt(sampler, prompts):
     with pytest.raises(ValueError, match="one seed per prompt"):
         sampler.generate(prompts, SamplingParams(), seeds=[1])
+
+
+
+class IgnoringEngine(TransformersEngine):
+    """vLLM #34186/#48019/#55193: the adapter loads and is listed, but its module names match
+    nothing in the model, so every request is served by the base model."""
+
+    def add_lora(self, request) -> bool:
+        self.loras[request.lora_int_id] = self.base
+        return True
+
+
+def test_an_adapter_that_changes_nothing_on_the_engine_fails_loudly(tiny_model, tokenizer, adapters, monkeypatch, tmp_path):
+    from agentrl.config import LearnerConfig
+    from agentrl.errors import UserError
+    from agentrl.sampling.vllm import VLLMSampler, adapter_is_nonzero
+
+    _install_fake_vllm(monkeypatch)
+    targets = LearnerConfig().target_modules
+    honest = VLLMSampler(TransformersEngine(copy.deepcopy(tiny_model), tokenizer), tokenizer, max_lora_rank=8, target_modules=targets)
+    honest.load_adapter(adapters[0], version=1)  # non-zero: checked once, it changes log-probs
+    assert honest.effect_checked and honest.adapter_version == 1
+
+    sampler = VLLMSampler(IgnoringEngine(copy.deepcopy(tiny_model), tokenizer), tokenizer, max_lora_rank=8, target_modules=targets)
+    from peft import LoraConfig, get_peft_model
+
+    fresh = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    fresh.save_pretrained(tmp_path / "v0")  # lora_B = 0: the base model by design, nothing to check
+    assert not adapter_is_nonzero(tmp_path / "v0") and adapter_is_nonzero(__import__("pathlib").Path(adapters[0]))
+    sampler.load_adapter(str(tmp_path / "v0"), version=0)
+    assert not sampler.effect_checked
+    with pytest.raises(UserError, match="log-probs equal the base model's.*not applied.*resumable") as e:
+        sampler.load_adapter(adapters[0], version=1)
+    assert "\n" not in str(e.value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -48,6 +49,15 @@ class FakeLoRARequest:
 @dataclass
 class FakeEngineArgs:
     logprobs_mode: str = "raw_logprobs"
+    enable_sleep_mode: bool = False
+    device_ids: list | None = None  # vLLM 0.33; older releases lack it (see test_sampler_device_*)
+
+
+@dataclass
+class OldEngineArgs:
+    """EngineArgs of a vLLM release without device_ids and sleep mode."""
+
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass
@@ -78,9 +88,16 @@ class RecordingEngine:
         self.fail_add: Exception | None = None
         self.llm_engine = self  # add_lora / remove_lora live on llm.llm_engine
         self.model_config = types.SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 2048)
+        self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")  # what the engine process would see
+        self.prefix_resets = 0
+        self.sleeping = False
+        self.sleeps: list[int] = []
+        self.register = True  # False: add_lora says yes but list_loras never shows it (verl #7495)
         RecordingEngine.instances.append(self)
 
     def generate(self, prompts, sampling_params, lora_request=None, use_tqdm=True):
+        if self.sleeping:
+            raise RuntimeError("generate on a sleeping engine")
         self.calls.append(dict(prompts=prompts, sampling_params=sampling_params, lora_request=lora_request, use_tqdm=use_tqdm))
         out = []
         for _ in prompts:
@@ -90,12 +107,30 @@ class RecordingEngine:
     def add_lora(self, request) -> bool:
         if self.fail_add is not None:
             raise self.fail_add
+        if self.sleeping:
+            raise RuntimeError("add_lora on a sleeping engine")
         self.added.append(request)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         self.removed.append(lora_id)
         return True
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.added if r.lora_int_id not in self.removed} if self.register else set()
+
+    def reset_prefix_cache(self) -> bool:
+        self.prefix_resets += 1
+        return True
+
+    def sleep(self, level: int = 1):
+        if not self.kwargs.get("enable_sleep_mode"):  # vLLM: "Sleep mode is not enabled"
+            raise AssertionError("Sleep mode is not enabled")
+        self.sleeping = True
+        self.sleeps.append(level)
+
+    def wake_up(self, tags=None):
+        self.sleeping = False
 
 
 @pytest.fixture
@@ -232,25 +267,27 @@ def test_each_adapter_version_is_a_new_lora(sampler, engine, prompts, tmp_path, 
     assert any("loaded in" in r.getMessage() and " s" in r.getMessage() for r in caplog.records)
     out = sampler.generate(prompts, params)
     first = engine.calls[-1]["lora_request"]
-    assert (first.lora_name, first.lora_int_id, first.lora_path) == ("v1", 1, str(v1.resolve()))
+    assert (first.lora_name, first.lora_int_id, first.lora_path) == ("v1.1", 1, str(v1.resolve()))  # unique name
     assert engine.added == [first] and engine.removed == []
     assert [c.adapter_version for c in out] == [1, 1]
 
     sampler.load_adapter(str(v2), version=2)
     out = sampler.generate(prompts, params)
     second = engine.calls[-1]["lora_request"]
-    assert (second.lora_name, second.lora_int_id, second.lora_path) == ("v2", 2, str(v2.resolve()))
+    assert (second.lora_name, second.lora_int_id, second.lora_path) == ("v2.2", 2, str(v2.resolve()))
     assert engine.removed == [1]  # hot-swap: the previous version leaves the engine
+    assert engine.prefix_resets == 2  # the prefix cache never serves KV computed with another adapter
     assert [c.adapter_version for c in out] == [2, 2]
 
     sampler.load_adapter(str(v2), version=2)  # reloading (e.g. on resume) still gets a fresh id
     assert engine.added[-1].lora_int_id == 3 and engine.removed == [1, 2]
+    assert engine.added[-1].lora_name == "v2.3"  # same version, new name: no stale prefix-cache hit
 
 
 def test_adapter_given_at_construction_is_version_0(engine, tokenizer, tmp_path):
     sampler = VLLMSampler(engine, tokenizer, max_lora_rank=8, target_modules=["q_proj", "v_proj"],
                           adapter=str(write_adapter(tmp_path / "a")))
-    assert sampler.adapter_version == 0 and engine.added[0].lora_name == "v0"
+    assert sampler.adapter_version == 0 and engine.added[0].lora_name == "v0.1"
 
 
 def test_bad_adapters_are_one_line_user_errors(sampler, engine, tmp_path):
@@ -277,7 +314,7 @@ def test_bad_adapters_are_one_line_user_errors(sampler, engine, tmp_path):
 
 
 def test_engine_lora_rank_rounds_up_to_what_vllm_accepts():
-    assert [engine_lora_rank(r) for r in (1, 4, 8, 9, 16, 17, 64, 300)] == [8, 8, 8, 16, 16, 32, 64, 320]
+    assert [engine_lora_rank(r) for r in (1, 2, 4, 8, 9, 16, 17, 64, 300)] == [1, 8, 8, 8, 16, 16, 32, 64, 320]
     with pytest.raises(UserError, match="lora_r=1024"):
         engine_lora_rank(1024)
 
@@ -341,3 +378,94 @@ def test_vllm_config_fields_are_validated():
                                 ("sampling.max_loras", 0, "max_loras")]:
         with pytest.raises(UserError, match=pattern):
             load_config(overrides={key: value})
+
+
+
+# ------------------------------------------------------------------ issue 15: what vLLM does on a real machine
+
+
+def test_an_adapter_the_engine_does_not_list_fails_loudly(sampler, engine, tmp_path):
+    """verl #7495: add_lora succeeded, list_loras() stayed empty, the base model was served."""
+    good = write_adapter(tmp_path / "good")
+    sampler.load_adapter(str(good), version=1)
+    engine.register = False
+    with pytest.raises(UserError, match=r"did not register adapter .* list_loras\(\).*base model") as e:
+        sampler.load_adapter(str(write_adapter(tmp_path / "lost")), version=2)
+    one_line(e)
+    engine.register = True
+    engine.add_lora = lambda request: False
+    with pytest.raises(UserError, match="refused adapter"):
+        sampler.load_adapter(str(write_adapter(tmp_path / "refused")), version=2)
+    assert sampler.adapter_version == 1 and sampler._lora.lora_path == str(good.resolve())  # still serving v1
+
+
+def test_colocated_engine_sleeps_for_the_update_and_wakes_for_the_swap(fake_vllm, default_model_dir, prompts, tmp_path):
+    cfg = load_config(overrides={"sampling.backend": "vllm"})
+    sampler = VLLMSampler.from_config(cfg, colocated=True)
+    engine = RecordingEngine.instances[-1]
+    assert engine.kwargs["enable_sleep_mode"] is True and engine.kwargs["gpu_memory_utilization"] == 0.5
+    sampler.sleep()
+    assert engine.sleeping and engine.sleeps == [1]  # level 1: weights to CPU, KV cache dropped
+    sampler.sleep()  # twice is once
+    assert engine.sleeps == [1]
+    sampler.load_adapter(str(write_adapter(tmp_path / "v1")), version=1)  # the swap wakes it first
+    assert not engine.sleeping and sampler.adapter_version == 1
+    sampler.sleep()
+    sampler.generate(prompts, SamplingParams(max_new_tokens=2))  # an update with no step: generate wakes it
+    assert not engine.sleeping
+
+    alone = VLLMSampler.from_config(cfg)  # eval / rollout: the GPU to itself, no sleep mode
+    engine = RecordingEngine.instances[-1]
+    assert "enable_sleep_mode" not in engine.kwargs and engine.kwargs["gpu_memory_utilization"] == 0.85
+    alone.sleep()  # a no-op (vLLM would raise without sleep mode)
+    assert not engine.sleeping
+    explicit = load_config(overrides={"sampling.backend": "vllm", "sampling.gpu_memory_utilization": 0.7})
+    VLLMSampler.from_config(explicit, colocated=True)
+    assert RecordingEngine.instances[-1].kwargs["gpu_memory_utilization"] == 0.7  # the user's value wins
+
+
+def test_sampler_device_reaches_the_engine(fake_vllm, default_model_dir, monkeypatch):
+    """--sampler-device cuda:1: vLLM 0.33 takes EngineArgs.device_ids; older releases see only that
+    GPU through CUDA_VISIBLE_DEVICES while the engine starts, and this process keeps seeing all."""
+    cfg = load_config(overrides={"sampling.backend": "vllm", "model.device": "cuda:1"})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    VLLMSampler.from_config(cfg)
+    engine = RecordingEngine.instances[-1]
+    assert engine.kwargs["device_ids"] == [1] and engine.visible_devices is None
+
+    monkeypatch.setattr(fake_vllm, "EngineArgs", OldEngineArgs)
+    VLLMSampler.from_config(cfg)
+    engine = RecordingEngine.instances[-1]
+    assert "device_ids" not in engine.kwargs and engine.visible_devices == "1"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") is None  # restored for this process and the learner
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    VLLMSampler.from_config(cfg)
+    assert RecordingEngine.instances[-1].visible_devices == "5" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+    VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm"}))  # auto: vLLM's own choice
+    assert RecordingEngine.instances[-1].visible_devices == "4,5,6"
+
+
+def test_prompt_plus_reply_beyond_max_model_len_is_refused(sampler, prompts):
+    sampler.max_model_len = len(prompts[1]) + 4
+    sampler.generate(prompts, SamplingParams(max_new_tokens=4))  # fits exactly
+    with pytest.raises(UserError, match="max_new_tokens 5 does not fit the vLLM engine's max_model_len") as e:
+        sampler.generate(prompts, SamplingParams(max_new_tokens=5))
+    one_line(e)
+
+
+@pytest.mark.parametrize("temperature, ok", [(2.0, True), (2.5, False), (0.0, True), (0.005, False), (0.01, True)])
+def test_temperatures_vllm_would_refuse_or_change_are_refused_up_front(temperature, ok):
+    overrides = {"sampling.backend": "vllm", "sampling.temperature": temperature}
+    if ok:
+        load_config(overrides=overrides)
+    else:
+        with pytest.raises(UserError, match="sampling.temperature"):
+            load_config(overrides=overrides)
+    load_config(overrides={"sampling.temperature": temperature})  # the hf sampler takes any
+
+
+def test_vllm_version_range():
+    from agentrl.sampling.vllm import vllm_supported
+
+    assert [vllm_supported(v) for v in ("0.10.2", "0.20.1", "0.33.0", "0.34.0", "0.9.2", "1.0.0", None, "dev")] == \
+        [True, True, True, False, False, False, False, False]

@@ -560,9 +560,36 @@ def report_cmd(
 
 # ---------------------------------------------------------------- doctor
 @app.command("doctor")
-def doctor_cmd(data: DataOpt = None) -> None:
+def doctor_cmd(
+    data: DataOpt = None,
+    gpu: Annotated[bool, typer.Option("--gpu", help="Run the GPU check: throughput, rollout, learner, swap, short "
+                                                     "trains, vLLM where it imports (about 10 minutes on one GPU).")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Where the GPU check writes gpu_check.json and gpu_check.md.")] = None,
+    quick: Annotated[bool, typer.Option(hidden=True, help="Tiny sizes (a smoke run of the GPU check).")] = False,
+    allow_cpu: Annotated[bool, typer.Option(hidden=True, help="Run the GPU check on the CPU (smoke run).")] = False,
+) -> None:
     """What this machine can run (CUDA devices, vLLM, the default model, ALFWorld data) and what to fix."""
     from rich.markup import escape
+
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available() and not allow_cpu:
+            console.print("no CUDA device here: the GPU check skips itself (run `agentrl doctor --gpu` on a GPU machine)")
+            return
+        from agentrl.gpucheck import run_gpu_check
+
+        if data is not None:
+            import os
+
+            os.environ["ALFWORLD_DATA"] = str(data)
+        out = out or Path("runs") / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+        report = run_gpu_check(out, "cuda" if torch.cuda.is_available() else "cpu", quick=quick, log=console.print)
+        console.print((out / "gpu_check.md").read_text())
+        failed = [k for k, v in report["sections"].items() if v.get("ok") is False]
+        if failed:
+            raise UserError(f"GPU check sections failed: {', '.join(failed)} (details in {out / 'gpu_check.json'})")
+        return
 
     from agentrl.doctor import run_checks
 

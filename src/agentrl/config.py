@@ -77,7 +77,9 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 96
     batch_size: int = 64  # sequences per generate call (live trajectories are chunked)
-    gpu_memory_utilization: float = 0.85  # vllm: fraction of GPU memory for weights, activations and KV cache
+    # vllm: fraction of GPU memory for weights, activations and KV cache; auto: 0.85 with the GPU to
+    # itself, 0.5 when train's learner shares it (colocate layout)
+    gpu_memory_utilization: float | str = "auto"
     max_model_len: int | None = None  # vllm: longest prompt + completion in tokens (None: the model's own limit)
     max_loras: int = 2  # vllm: LoRA adapters resident at once (the current version and the one being swapped in)
 
@@ -227,7 +229,15 @@ class Config:
             (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}"),
             (self.sampling.batch_size >= 1, f"sampling.batch_size must be >= 1, got {self.sampling.batch_size}"),
             (self.sampling.backend in ("hf", "vllm"), f"sampling.backend must be 'hf' or 'vllm', got {self.sampling.backend!r}"),
-            (0 < self.sampling.gpu_memory_utilization <= 1, f"sampling.gpu_memory_utilization must be in (0, 1], got {self.sampling.gpu_memory_utilization}"),
+            (self.sampling.gpu_memory_utilization == "auto" or (not isinstance(self.sampling.gpu_memory_utilization, str)
+                                                                 and 0 < self.sampling.gpu_memory_utilization <= 1),
+             f"sampling.gpu_memory_utilization must be auto or in (0, 1], got {self.sampling.gpu_memory_utilization}"),
+            # what vLLM enforces at run time (vllm/sampling_params.py), refused before any work starts
+            (self.sampling.backend != "vllm" or self.sampling.temperature <= 2.0,
+             f"sampling.temperature must be <= 2 with the vllm sampler (vLLM refuses more), got {self.sampling.temperature}"),
+            (self.sampling.backend != "vllm" or not 0 < self.sampling.temperature < 0.01,
+             f"sampling.temperature {self.sampling.temperature} is below vLLM's 0.01, which it would silently use "
+             "instead; use 0 (greedy) or >= 0.01"),
             (self.sampling.max_model_len is None or self.sampling.max_model_len >= 1, f"sampling.max_model_len must be >= 1, got {self.sampling.max_model_len}"),
             (self.sampling.max_loras >= 1, f"sampling.max_loras must be >= 1, got {self.sampling.max_loras}"),
             (self.eval.split in SPLITS, f"unknown split {self.eval.split!r}; choose one of {', '.join(SPLITS)}"),

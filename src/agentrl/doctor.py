@@ -43,11 +43,20 @@ def check_python_and_torch() -> list[Check]:
 def check_vllm() -> Check:
     if importlib.util.find_spec("vllm") is None:
         return Check("vLLM (--sampler vllm)", "missing", "not installed", "pip install 'agentrl[vllm]' (needs a GPU)")
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown version"
-    return Check("vLLM (--sampler vllm)", "ok", f"importable, {version}")
+    from agentrl.sampling.vllm import VLLM_SUPPORTED, vllm_supported
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown version"
+
+    found = f"vLLM {version('vllm')} with torch {version('torch')}"
+    if not vllm_supported(version("vllm")):
+        low, high = (".".join(map(str, v)) for v in VLLM_SUPPORTED)
+        return Check("vLLM (--sampler vllm)", "warn", f"{found}: outside the range the sampler is written for",
+                     f"pip install 'vllm>={low},<{high}' (it brings the torch it pins)")
+    return Check("vLLM (--sampler vllm)", "ok", f"{found}: supported by the sampler")
 
 
 def check_default_model() -> Check:

@@ -73,6 +73,12 @@ class ModelPolicy:
             self._stopped[id(t)] = c.finish_reason == "stop"
         return [c.text for c in completions]
 
+    @property
+    def context_limit(self) -> int | None:
+        """The longest prompt the sampler can still extend by max_new_tokens (None: no limit)."""
+        n = getattr(self.sampler, "max_model_len", None)
+        return None if n is None else n - self.params.max_new_tokens
+
     def _bounded(self, c):
         """A completion safe to append: at most max_new_tokens ids, one log-prob per id. An empty
         reply is kept (it parses to no action: a no-op step); an over-long one is cut and closed
@@ -310,6 +316,15 @@ class _Context:
         """Generate the wave's next action for every live trajectory and send it to the envs.
         True when the wave has nothing left to do."""
         live = [k for k in wave.members if not self.trajs[k].done]
+        limit = getattr(self.policy, "context_limit", None)
+        if limit is not None:  # vLLM would end such a reply early at max_model_len: end the episode cleanly
+            full = [k for k in live if len(self.trajs[k].token_ids) > limit]
+            for k in full:
+                self.trajs[k].stop_reason = "context_full"
+            if full:
+                log.warning("%d episode(s) reached the sampler's context (max_model_len minus max_new_tokens = %d "
+                            "tokens) and ended; raise sampling.max_model_len or lower env.max_steps", len(full), limit)
+                live = [k for k in live if k not in full]
         if not live or wave.step >= self.max_steps:
             return True
         wave.step += 1

@@ -36,7 +36,8 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
     adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
-    stop_reason: str | None = None  # won | lost | max_steps | gate_cut | pruned | env_error (None while running)
+    # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
+    stop_reason: str | None = None  # None while running
     error: str | None = None
 
     @property

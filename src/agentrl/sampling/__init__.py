@@ -5,9 +5,10 @@ from agentrl.sampling.base import Completion, Sampler, SamplingParams
 __all__ = ["Completion", "Sampler", "SamplingParams", "make_sampler"]
 
 
-def make_sampler(cfg, model=None, tokenizer=None) -> Sampler:
+def make_sampler(cfg, model=None, tokenizer=None, colocated: bool = False) -> Sampler:
     """The sampler named by cfg.sampling.backend; vLLM is imported only when asked for.
-    `model`/`tokenizer` are reused by the hf backend; vLLM loads its own copy of the weights."""
+    `model`/`tokenizer` are reused by the hf backend; vLLM loads its own copy of the weights.
+    `colocated`: a learner shares the sampler's GPU (train's colocate layout)."""
     from agentrl.errors import UserError
 
     if cfg.sampling.backend == "hf":
@@ -26,5 +27,5 @@ def make_sampler(cfg, model=None, tokenizer=None) -> Sampler:
                             "use --sampler hf") from None
         from agentrl.sampling.vllm import VLLMSampler
 
-        return VLLMSampler.from_config(cfg)
+        return VLLMSampler.from_config(cfg, colocated=colocated)
     raise UserError(f"sampler backend {cfg.sampling.backend!r} is not available; use --sampler hf or --sampler vllm")

@@ -35,6 +35,7 @@ class Completion:
 @runtime_checkable
 class Sampler(Protocol):
     tokenizer: object
+    max_model_len: int | None  # longest prompt + completion the sampler serves (None: no limit)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
@@ -46,4 +47,9 @@ class Sampler(Protocol):
 
     def load_adapter(self, path: str, version: int | None = None) -> None:
         """Use the PEFT adapter in `path` from now on; the base model stays loaded."""
+        ...
+
+    def sleep(self) -> None:
+        """Give accelerator memory back while a learner on the same device updates; the next
+        generate or load_adapter takes it again. A no-op where there is nothing to give."""
         ...

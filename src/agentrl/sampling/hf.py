@@ -40,11 +40,16 @@ class HFSampler:
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
+        # longest prompt + completion: the model's position limit (the rollout ends episodes before it)
+        self.max_model_len: int | None = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if adapter:
             self.load_adapter(adapter, version=0)
 
+    def sleep(self) -> None:
+        """Nothing to give back: the model shares its device with the learner as it is."""
+
     @classmethod
-    def from_config(cls, cfg, model=None, tokenizer=None) -> "HFSampler":
+    def from_config(cls, cfg, model=None, tokenizer=None, colocated: bool = False) -> "HFSampler":
         if model is None or tokenizer is None:
             from agentrl.models import load_model
 

@@ -11,9 +11,14 @@ without it. Written against vLLM's public offline API (>= 0.10, the V1 engine):
   the sampled token's log-prob; with `logprobs_mode="raw_logprobs"` (vLLM's default) that is
   the raw model's log-softmax, before temperature and top-p, as the contract asks;
 - automatic prefix caching replaces the hf backend's per-key KV reuse, so `keys` is ignored;
-- the base model stays resident; each adapter version becomes a new `LoRARequest` (new name,
-  new integer id, its own directory), so no stale weights are served from vLLM's LoRA cache,
-  and the previous one is removed from the engine.
+- the base model stays resident; each adapter version becomes a new `LoRARequest` (a new name
+  `v{version}.{id}`, a new integer id, its own directory), so neither vLLM's LoRA cache nor its
+  prefix cache (keyed by LoRA name and path) serves stale weights; the previous one is removed;
+- after every swap the engine must list the new id (`list_loras`), and the first non-zero
+  adapter must change a fixed prompt's log-probs: vLLM can quietly serve the base model when
+  module names do not match (vLLM #34186, #48019, #55193; verl #7495), and that fails loudly;
+- colocated with the learner on one GPU, the engine starts in sleep mode and sleeps (level 1:
+  weights to CPU, KV cache dropped) while the learner updates; the next generate or swap wakes it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ from agentrl.sampling.hf import stop_token_ids
 
 log = logging.getLogger(__name__)
 
-# vLLM accepts only these values for max_lora_rank (LoRAConfig); an adapter of rank r <= max_lora_rank loads.
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM accepts only these values for max_lora_rank (vllm/config/lora.py, MaxLoRARanks); an adapter of
+# rank r <= max_lora_rank loads.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The vLLM releases this sampler is written for (pyproject's `vllm` extra says the same).
+VLLM_SUPPORTED = ((0, 10, 2), (0, 34, 0))  # [low, high)
+# What vLLM itself enforces on temperature (vllm/sampling_params.py): above 2 it raises, and a
+# positive value below 0.01 is silently raised to 0.01. config.validate refuses both up front.
+VLLM_MAX_TEMPERATURE, VLLM_MIN_TEMPERATURE = 2.0, 0.01
+# The prompt whose log-probs tell a served adapter from the base model (any fixed text works).
+PROBE_TEXT = "You are in the middle of a room. Looking quickly around you, you see a cabinet 1 and a countertop 1."
 
 
 def engine_lora_rank(r: int) -> int:
@@ -56,16 +69,21 @@ class VLLMSampler:
         adapter: str | None = None,
         stop_ids: set[int] | None = None,
         max_model_len: int | None = None,
+        sleep_mode: bool = False,
     ):
         """`llm`: a built `vllm.LLM` (or a stand-in with the same `generate`). `max_lora_rank` and
-        `target_modules` are what the engine was started for: adapters beyond them are refused."""
+        `target_modules` are what the engine was started for: adapters beyond them are refused.
+        `sleep_mode`: the engine was started with `enable_sleep_mode` (colocated with the learner)."""
         self.llm = llm
         self.tokenizer = tokenizer
         self.max_lora_rank = max_lora_rank
         self.target_modules = list(target_modules) if target_modules is not None else None
         self.stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
         self.max_model_len = max_model_len
+        self.sleep_mode = sleep_mode
+        self.asleep = False
         self.adapter_version: int | None = None
+        self.effect_checked = False  # a non-zero adapter was seen to change log-probs
         self.swap_s: float | None = None  # seconds the last load_adapter took
         self._lora = None  # the LoRARequest every generate call uses (None: the base model)
         self._next_lora_id = 1  # vLLM LoRA ids must be > 0; every load gets a fresh one
@@ -73,7 +91,10 @@ class VLLMSampler:
             self.load_adapter(adapter, version=0)
 
     @classmethod
-    def from_config(cls, cfg) -> "VLLMSampler":
+    def from_config(cls, cfg, colocated: bool = False) -> "VLLMSampler":
+        """Start the engine for cfg. `colocated`: the learner shares this GPU (train's colocate
+        layout): the engine then starts in sleep mode and, unless sampling.gpu_memory_utilization
+        is set, takes 0.5 of the GPU instead of 0.85, leaving the learner its share."""
         import dataclasses
         import types
 
@@ -81,9 +102,14 @@ class VLLMSampler:
 
         from agentrl.models import load_tokenizer, resolve_model
 
+        check_vllm_version(getattr(vllm, "__version__", None))
         path = resolve_model(cfg.model.name)
         tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
         rank = engine_lora_rank(cfg.learner.lora_r)
+        engine_fields = set()
+        engine_args = getattr(vllm, "EngineArgs", None)
+        if engine_args is not None and dataclasses.is_dataclass(engine_args):
+            engine_fields = {f.name for f in dataclasses.fields(engine_args)}
         kwargs = dict(
             model=path,
             tokenizer=path,
@@ -91,18 +117,23 @@ class VLLMSampler:
             max_lora_rank=rank,
             max_loras=cfg.sampling.max_loras,
             enable_prefix_caching=True,
-            gpu_memory_utilization=cfg.sampling.gpu_memory_utilization,
+            gpu_memory_utilization=gpu_memory_utilization(cfg.sampling.gpu_memory_utilization, colocated),
             max_model_len=cfg.sampling.max_model_len,
             dtype="bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype,
             seed=cfg.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
-        engine_args = getattr(vllm, "EngineArgs", None)
-        if engine_args is not None and dataclasses.is_dataclass(engine_args) and \
-                "logprobs_mode" in {f.name for f in dataclasses.fields(engine_args)}:
+        if "logprobs_mode" in engine_fields:
             kwargs["logprobs_mode"] = "raw_logprobs"  # the default where it exists; V1 returned raw log-probs before it
+        sleep_mode = colocated and "enable_sleep_mode" in engine_fields
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        index = cuda_index(cfg.model.device)
+        if index is not None and "device_ids" in engine_fields:
+            kwargs["device_ids"] = [index]
         try:
-            llm = vllm.LLM(**kwargs)
+            with engine_visible_device(None if "device_ids" in engine_fields else index):
+                llm = vllm.LLM(**kwargs)
         except Exception as e:
             log.debug("vLLM engine start failed", exc_info=True)
             raise UserError(f"vLLM could not start {cfg.model.name!r} ({_one_line(e)}); "
@@ -119,7 +150,21 @@ class VLLMSampler:
             pass
         stop_ids = stop_token_ids(tokenizer, types.SimpleNamespace(generation_config=generation_config))
         return cls(llm, tokenizer, max_lora_rank=rank, target_modules=cfg.learner.target_modules,
-                   adapter=cfg.model.adapter, stop_ids=stop_ids, max_model_len=max_len)
+                   adapter=cfg.model.adapter, stop_ids=stop_ids, max_model_len=max_len, sleep_mode=sleep_mode)
+
+    # ---------------------------------------------------------------- memory
+
+    def sleep(self) -> None:
+        """Give the GPU back while a colocated learner updates (level 1: weights to CPU memory, KV
+        cache dropped, which a new adapter makes stale anyway). No-op without sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     # ---------------------------------------------------------------- adapters
 
@@ -151,23 +196,32 @@ class VLLMSampler:
     def load_adapter(self, path: str, version: int | None = None) -> None:
         """Serve the PEFT LoRA adapter in `path` from now on. The base model stays resident; the
         adapter gets a new LoRA name and id, is loaded into the engine now (so a bad adapter fails
-        here, and `swap_s` measures the load), and the previous adapter is removed."""
+        here, and `swap_s` measures the load), is checked to be served, and the previous adapter
+        is removed."""
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
         p = Path(path)
         self._check_adapter(p)
+        self._wake()
         lora_id = self._next_lora_id
         self._next_lora_id += 1
-        request = LoRARequest(lora_name=f"v{version if version is not None else 0}", lora_int_id=lora_id,
-                              lora_path=str(p.resolve()))
+        v = version if version is not None else 0
+        # unique per load: vLLM's prefix cache is keyed by LoRA name and path, not id
+        request = LoRARequest(lora_name=f"v{v}.{lora_id}", lora_int_id=lora_id, lora_path=str(p.resolve()))
         engine = getattr(self.llm, "llm_engine", None)
         add = getattr(engine, "add_lora", None)
         if add is not None:  # otherwise vLLM loads it on the first request that names it
             try:
-                add(request)
+                added = add(request)
             except Exception as e:
                 raise UserError(f"adapter {p} does not fit the base model: {_one_line(e)}") from None
+            if added is False:
+                raise UserError(f"vLLM refused adapter {p} (add_lora returned False)")
+            listed = getattr(engine, "list_loras", None)
+            if listed is not None and lora_id not in set(listed()):
+                raise UserError(f"vLLM did not register adapter {p} (LoRA id {lora_id} is not in list_loras()); "
+                                "it would serve the base model. The run stays resumable")
         previous, self._lora = self._lora, request
         remove = getattr(engine, "remove_lora", None)
         if previous is not None and remove is not None:
@@ -175,9 +229,31 @@ class VLLMSampler:
                 remove(previous.lora_int_id)
             except Exception as e:  # vLLM's LRU would evict it anyway
                 log.debug("could not remove LoRA %s from vLLM: %s", previous.lora_int_id, _one_line(e))
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
         self.adapter_version = version
+        if not self.effect_checked and adapter_is_nonzero(p):
+            self._check_adapter_changes_logprobs(p)
+            self.effect_checked = True
         self.swap_s = time.perf_counter() - t0
         log.info("vllm sampler: adapter %s (version %s, LoRA id %d) loaded in %.3f s", p, version, lora_id, self.swap_s)
+
+    def _check_adapter_changes_logprobs(self, p: Path) -> None:
+        """A non-zero adapter must change the log-probs of a fixed prompt; identical ones mean vLLM
+        serves the base model (e.g. module names it does not match)."""
+        probe = self.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        with_adapter = self.generate([probe], params)[0]
+        lora, self._lora = self._lora, None
+        try:
+            base = self.generate([probe], params)[0]
+        finally:
+            self._lora = lora
+        if with_adapter.token_ids == base.token_ids and with_adapter.logprobs == base.logprobs:
+            raise UserError(f"vLLM serves adapter {p} but its log-probs equal the base model's on a fixed prompt: "
+                            "the adapter is not applied (do its target_modules match the model's module names?). "
+                            "The run stays resumable")
 
     # ---------------------------------------------------------------- sampling
 
@@ -196,9 +272,11 @@ class VLLMSampler:
             raise ValueError("empty prompt")
         if self.max_model_len is not None:
             longest = max(len(p) for p in prompts)
-            if longest >= self.max_model_len:
-                raise UserError(f"a prompt of {longest} tokens does not fit the vLLM engine's max_model_len "
-                                f"{self.max_model_len}; raise sampling.max_model_len or shorten episodes (env.max_steps)")
+            if longest + params.max_new_tokens > self.max_model_len:  # the rollout ends such episodes first
+                raise UserError(f"a prompt of {longest} tokens plus max_new_tokens {params.max_new_tokens} does not fit "
+                                f"the vLLM engine's max_model_len {self.max_model_len}; raise sampling.max_model_len "
+                                "or shorten episodes (env.max_steps)")
+        self._wake()
 
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
@@ -240,3 +318,81 @@ class VLLMSampler:
             finish_reason=o.finish_reason,
             adapter_version=self.adapter_version,
         )
+
+
+def adapter_is_nonzero(path: Path) -> bool:
+    """Whether a PEFT LoRA adapter changes anything: some lora_B weight is non-zero (a fresh
+    adapter's B is zero, so v0 of a run from scratch is the base model by design)."""
+    f = path / "adapter_model.safetensors"
+    if f.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as st:
+            return any(bool(st.get_tensor(k).any()) for k in st.keys() if "lora_B" in k)
+    if (path / "adapter_model.bin").is_file():
+        import torch
+
+        weights = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+        return any(bool(v.any()) for k, v in weights.items() if "lora_B" in k)
+    return False  # no weights to load (vLLM's own load would fail first)
+
+
+def gpu_memory_utilization(value, colocated: bool) -> float:
+    """sampling.gpu_memory_utilization resolved: auto = 0.85 with the GPU to itself, 0.5 beside a learner."""
+    if value != "auto":
+        return float(value)
+    return 0.5 if colocated else 0.85
+
+
+def cuda_index(device: str | None) -> int | None:
+    """The GPU index of a device string: cuda:1 -> 1; cuda -> 0; auto/cpu/None -> None (vLLM's default)."""
+    if not device or not str(device).startswith("cuda"):
+        return None
+    _, _, index = str(device).partition(":")
+    return int(index) if index else 0
+
+
+class engine_visible_device:
+    """While the engine starts, show it only GPU `index` (CUDA_VISIBLE_DEVICES), for vLLM releases
+    without EngineArgs.device_ids. vLLM's V1 engine core is a child process that reads the
+    variable when it starts; this process and the learner keep seeing every device."""
+
+    def __init__(self, index: int | None):
+        self.index = index
+
+    def __enter__(self):
+        import os
+
+        self.before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.index is not None:
+            visible = self.before.split(",") if self.before else None
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[self.index] if visible else str(self.index)
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.index is not None:
+            if self.before is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = self.before
+        return False
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    return tuple(int(x or 0) for x in m.groups()) if m else None
+
+
+def vllm_supported(text: str | None) -> bool:
+    v = parse_version(text)
+    return v is not None and VLLM_SUPPORTED[0] <= v < VLLM_SUPPORTED[1]
+
+
+def check_vllm_version(text: str | None) -> None:
+    if not vllm_supported(text):
+        low, high = (".".join(map(str, v)) for v in VLLM_SUPPORTED)
+        log.warning("vLLM %s is outside the range this sampler is written for (>= %s, < %s)", text, low, high)

@@ -18,7 +18,7 @@ from agentrl.select.arrol import Arrol
 from agentrl.select.base import StageStats
 
 # outcomes that are the trajectory's own (a gate cut, a prune or an env failure is not)
-_REAL_OUTCOMES = ("won", "lost", "max_steps")
+_REAL_OUTCOMES = ("won", "lost", "max_steps", "context_full")
 
 
 def _hidden_size(model) -> int:

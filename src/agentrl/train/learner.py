@@ -78,6 +78,13 @@ class Learner:
 
     def update(self, batch: list[tuple[object, float]]) -> UpdateStats:
         """One optimizer step on [(trajectory, advantage), ...] (cut groups never get here)."""
+        try:
+            return self._update(batch)
+        finally:
+            if self.device.type == "cuda":  # hand the activations' memory back: a colocated vLLM re-allocates its KV cache next
+                torch.cuda.empty_cache()
+
+    def _update(self, batch: list[tuple[object, float]]) -> UpdateStats:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_total = len(batch)

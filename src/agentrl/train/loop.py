@@ -219,7 +219,9 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
     owned = learner is None
     envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
     try:
-        sampler = sampler or make_sampler(cfg)
+        from agentrl.train.remote import resolve_layout
+
+        sampler = sampler or make_sampler(cfg, colocated=resolve_layout(cfg) == "colocate")
         learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
         return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs)
     except LearnerDied as e:
@@ -275,6 +277,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         check_served_version(it, rollout, learner.version, hooks.warn)
         batch = batch_advantages(groups, cfg.train.advantage)                                     # advantage
         hooks.phase("train")
+        sampler.sleep()  # a colocated vLLM engine lends the GPU to the update; the swap wakes it
         stats = learner.update(batch)                                                             # learn
         t2 = time.perf_counter()
         if stats.stepped:                                                                         # swap

@@ -1,0 +1,271 @@
+"""`agentrl doctor --gpu`: what the GPU path does on this machine, measured, in one command.
+
+Sections (each timed; one that fails is reported and the others still run):
+- throughput: sampler tokens/s at batch 1, 8, 64, 256 (stop tokens off, so every row decodes
+  the full length);
+- rollout: the lockstep rollout on real train games, B x G = 10 x 8, seconds per step;
+- learner: one update on that rollout (tokens/s and the sampler-learner log-prob gap on real
+  trajectories), the swap (save + load, LoRA rank 16), then a rollout with the non-zero adapter
+  and a second update (the gap users will see as `logprob_gap` after the first swap);
+- train_synthetic: 3 iterations of `agentrl train` on the synthetic task, colocated;
+- train_real: a short warm start (`agentrl sft`) and 2 iterations of GRPO from it on real games,
+  colocated, with where each iteration's time goes (rollout, train, swap, eval);
+- split: the same synthetic run with the learner on a second GPU (only where one exists);
+- vllm: the vLLM sampler's throughput, swap and served-adapter check (only where vLLM imports).
+
+Writes OUT/gpu_check.json and OUT/gpu_check.md. On a machine without CUDA it says so in one line
+and stops, unless `allow_cpu` (a smoke run of the same code at tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+
+from agentrl.config import load_config
+
+
+def _sizes(quick: bool) -> dict:
+    if quick:
+        return dict(batches=(1, 4), new_tokens=8, tasks=2, group=2, steps=3, synth_iterations=1, sft_games=6,
+                    real_iterations=1, real_tasks=2, real_group=2, eval_tasks=2, reply_tokens=16, micro_batch=1)
+    return dict(batches=(1, 8, 64, 256), new_tokens=64, tasks=10, group=8, steps=10, synth_iterations=3, sft_games=60,
+                real_iterations=2, real_tasks=8, real_group=8, eval_tasks=20, reply_tokens=96, micro_batch=4)
+
+
+def run_gpu_check(out: Path, device: str = "cuda", quick: bool = False, log=print) -> dict:
+    import torch
+
+    from agentrl.models import load_model
+    from agentrl.sampling.hf import HFSampler
+
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(device), "quick": quick,
+                    "torch": torch.__version__, "host": platform.node(), "sections": {}}
+    section = _section_runner(report, log)
+    size = _sizes(quick)
+    base_cfg = load_config(None, {"model.device": device, "env.max_steps": size["steps"], "rollout.gate": "off",
+                                  "rollout.group_size": size["group"], "sampling.max_new_tokens": size["reply_tokens"],
+                                  "learner.micro_batch": size["micro_batch"]})
+
+    model, tokenizer = load_model("default", "auto", device)
+    sampler = HFSampler(model, tokenizer, batch_size=max(size["batches"]))
+    state: dict = {}
+
+    section("throughput", lambda: _throughput(sampler, tokenizer, size))
+    section("rollout", lambda: _rollout(base_cfg, sampler, size, state))
+    section("learner", lambda: _learner(base_cfg, sampler, size, state, out))
+    section("train_synthetic", lambda: _train(out / "synthetic", device, None, size["synth_iterations"], synthetic=True))
+    section("train_real", lambda: _train_real(out, device, size))
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        section("split", lambda: _train(out / "split", "cuda:0", "cuda:1", size["synth_iterations"], synthetic=True))
+    else:
+        report["sections"]["split"] = {"ok": None, "skipped": "one GPU: the split layout needs two"}
+    if _vllm_importable():
+        section("vllm", lambda: _vllm(base_cfg, tokenizer, size, state))
+    else:
+        report["sections"]["vllm"] = {"ok": None, "skipped": "vLLM does not import here"}
+
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu_check.md").write_text(markdown(report))
+    return report
+
+
+def _section_runner(report: dict, log):
+    """section(name, fn): run fn, record its result dict (or its error) under report["sections"]."""
+
+    def section(name: str, fn) -> None:
+        log(f"gpu check: {name} ...")
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+            report["sections"][name] = {"ok": True, "wall_s": round(time.perf_counter() - t0, 2), **(result or {})}
+        except Exception as e:  # noqa: BLE001 - reported, the other sections still run
+            first = (str(e).strip().splitlines() or [""])[0]
+            report["sections"][name] = {"ok": False, "wall_s": round(time.perf_counter() - t0, 2),
+                                        "error": f"{e.__class__.__name__}: {first}", "trace": traceback.format_exc(limit=6)}
+        log(f"gpu check: {name}: {_brief(report['sections'][name])}")
+
+    return section
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: skipped with a line
+        return False
+    return True
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _throughput(sampler, tokenizer, size) -> dict:
+    from agentrl.sampling.base import SamplingParams
+
+    prompt = tokenizer("You are in the middle of a room. Looking quickly around you, you see a cabinet 1.",
+                       add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=1.0, max_new_tokens=size["new_tokens"])
+    stops, sampler.stop_ids = sampler.stop_ids, set()  # every row decodes the full length
+    try:
+        sampler.generate([prompt], params, seeds=[0])  # warm-up
+        rows = {}
+        for b in size["batches"]:
+            _sync()
+            t0 = time.perf_counter()
+            out = sampler.generate([prompt] * b, params, seeds=list(range(b)))
+            _sync()
+            dt = time.perf_counter() - t0
+            rows[str(b)] = round(sum(len(c.token_ids) for c in out) / dt, 1)
+    finally:
+        sampler.stop_ids = stops
+    return {"tokens_per_s_by_batch": rows, "new_tokens": size["new_tokens"]}
+
+
+def _rollout(cfg, sampler, size, state) -> dict:
+    from agentrl.collect import roll
+    from agentrl.env import find_games, open_envs
+    from agentrl.rollout import ModelPolicy
+    from agentrl.sampling.base import SamplingParams
+
+    games = find_games("alfworld", "train", cfg.data.root, limit=size["tasks"])
+    envs = open_envs(cfg)
+    try:
+        policy = ModelPolicy(sampler, SamplingParams(0.7, 1.0, cfg.sampling.max_new_tokens), seed=0)
+        rollout = roll(cfg, games, policy, None, envs=envs, group_size=size["group"])
+    finally:
+        if envs is not None:
+            envs.shutdown()
+    state["rollout"] = rollout
+    s = rollout.stats
+    steps = max(len(t.steps) for t in rollout.trajectories)
+    return {"B": len(games), "G": size["group"], "T_max": size["steps"], "s_per_step": round(s.wall_s / max(1, steps), 3),
+            "generate_s": round(s.generate_s, 2), "env_wait_s": round(s.env_s, 2), "step_tokens": s.step_tokens,
+            "rollout_s": round(s.wall_s, 2)}
+
+
+def _learner(cfg, sampler, size, state, out: Path) -> dict:
+    from agentrl.train.remote import make_learner
+
+    rollout = state["rollout"]
+    learner = make_learner(cfg)
+    trajs = rollout.trajectories
+    batch = [(t, 1.0 if i % 2 == 0 else -1.0) for i, t in enumerate(trajs)]  # every trajectory carries signal
+    _sync()
+    t0 = time.perf_counter()
+    first = learner.update(batch)
+    _sync()
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    adapter = learner.save_adapter(out / "adapters")
+    sampler.load_adapter(str(adapter), learner.version)
+    _sync()
+    swap_s = time.perf_counter() - t0
+    state["adapter"] = adapter
+    return {"step_tokens_trained": first.step_tokens_trained, "train_s": round(train_s, 2),
+            "learner_tokens_per_s": round(first.step_tokens_trained / train_s, 1),
+            "logprob_gap_base": first.logprob_gap, "swap_s_rank16": round(swap_s, 3), **_second_gap(learner, sampler, cfg, size)}
+
+
+def _second_gap(learner, sampler, cfg, size) -> dict:
+    """A rollout with the non-zero adapter, then an update: the gap after the first swap."""
+    state: dict = {}
+    _rollout(cfg, sampler, {**size, "tasks": max(1, size["tasks"] // 2)}, state)
+    batch = [(t, 1.0 if i % 2 == 0 else -1.0) for i, t in enumerate(state["rollout"].trajectories)]
+    stats = learner.update(batch)
+    return {"logprob_gap_adapter": stats.logprob_gap}
+
+
+def _train(run: Path, device: str, learner_device: str | None, iterations: int, synthetic: bool) -> dict:
+    from agentrl.train.loop import prepare_run, train
+
+    overrides = {"model.device": device, "learner.device": learner_device, "train.iterations": iterations,
+                 "train.eval_every": iterations}
+    cfg = load_config("configs/synthetic.yaml" if synthetic and Path("configs/synthetic.yaml").is_file() else None,
+                      ({"env.kind": "synthetic"} if synthetic else {}) | overrides)
+    cfg = prepare_run(run, cfg, resume=False, force=True)
+    t0 = time.perf_counter()
+    train(cfg, run)
+    return _run_summary(run, time.perf_counter() - t0)
+
+
+def _train_real(out: Path, device: str, size) -> dict:
+    from agentrl.train.loop import prepare_run, train
+    from agentrl.train.sft import run_sft
+
+    ws = out / "warmstart"
+    cfg = load_config("configs/default.yaml" if Path("configs/default.yaml").is_file() else None,
+                      {"model.device": device, "sft.games": size["sft_games"], "sft.heldout_games": 2})
+    t0 = time.perf_counter()
+    run_sft(cfg, ws, force=True)
+    sft_s = time.perf_counter() - t0
+    cfg = load_config("configs/default.yaml" if Path("configs/default.yaml").is_file() else None, {
+        "model.device": device, "train.init_adapter": str(ws), "train.iterations": size["real_iterations"],
+        "train.eval_every": size["real_iterations"], "rollout.tasks": size["real_tasks"],
+        "rollout.group_size": size["real_group"], "train.eval_tasks": size["eval_tasks"]})
+    run = prepare_run(out / "real", cfg, resume=False, force=True)
+    t0 = time.perf_counter()
+    train(cfg, run)
+    return {"sft_s": round(sft_s, 1), **_run_summary(run, time.perf_counter() - t0)}
+
+
+def _run_summary(run: Path, wall: float) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    its = [r for r in rows if r.get("kind") == "iteration"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    last = its[-1] if its else {}
+    timing = {k: round(sum(r.get(k, 0) or 0 for r in its) / max(1, len(its)), 2)
+              for k in ("rollout_s", "train_s", "swap_s", "eval_s", "iteration_s")}
+    return {"wall_s": round(wall, 1), "iterations": len(its), "mean_per_iteration": timing,
+            "step_tokens_trained": sum(r.get("step_tokens_trained", 0) for r in its),
+            "adapter_version": last.get("adapter_version"), "logprob_gap_last": last.get("logprob_gap"),
+            "eval_success": [round(r.get("success_rate", 0), 3) for r in evals]}
+
+
+def _vllm(cfg, tokenizer, size, state) -> dict:
+    from agentrl.sampling.vllm import VLLMSampler
+
+    sampler = VLLMSampler.from_config(cfg, colocated=True)  # the hf model and the learner are still resident
+    result = _throughput(sampler, tokenizer, size)
+    if "adapter" in state:  # the learner's non-zero adapter: listed by the engine and changing log-probs, or an error
+        t0 = time.perf_counter()
+        sampler.load_adapter(str(state["adapter"]), 1)
+        result["swap_s"] = round(time.perf_counter() - t0, 3)
+        result["adapter_served"] = sampler.effect_checked
+    return result
+
+
+def _brief(s: dict) -> str:
+    if s.get("ok") is None:
+        return f"skipped ({s['skipped']})"
+    if not s["ok"]:
+        return f"FAILED after {s['wall_s']} s: {s['error']}"
+    return f"ok in {s['wall_s']} s"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# agentrl GPU check ({report['date']}, {report['device']}, torch {report['torch']}"
+             + (", quick sizes" if report["quick"] else "") + ")", "", "| section | result |", "|---|---|"]
+    for name, s in report["sections"].items():
+        if s.get("ok") is None:
+            lines.append(f"| {name} | skipped: {s['skipped']} |")
+        elif not s["ok"]:
+            lines.append(f"| {name} | **failed** after {s['wall_s']} s: {s['error']} |")
+        else:
+            body = ", ".join(f"{k} {json.dumps(v)}" for k, v in s.items() if k not in ("ok", "trace"))
+            lines.append(f"| {name} | {body} |")
+    return "\n".join(lines) + "\n"
