@@ -93,11 +93,62 @@ def test_deterministic_given_seed():
     np.testing.assert_array_equal(preds[0], preds[1])
 
 
-def test_histogram_calibration_maps_bins_to_empirical_rates():
+def test_histogram_calibration_is_laplace_smoothed_bayes_with_the_buffers_prior():
+    """Paper A.4. Bins of 0.1: bin 0 holds 1 success and 3 failures, bin 9 two successes, bin 4
+    one failure; N+ = 3, N- = 4, prior 3/7; Laplace a = 1 over M = 10 bins. The old rule (raw bin
+    rates) gave 0.25, 1.0 (two successes: certainty), 0.0, and an empty bin its raw score."""
     c = HistogramCalibrator(10)
     c.fit([0.05, 0.02, 0.08, 0.01, 0.95, 0.99, 0.42], [1, 0, 0, 0, 1, 1, 0])
+
+    def post(n_pos, n_neg):
+        like_pos, like_neg = (n_pos + 1) / (3 + 10), (n_neg + 1) / (4 + 10)
+        return 3 / 7 * like_pos / (3 / 7 * like_pos + 4 / 7 * like_neg)
+
     out = c([0.03, 0.97, 1.0, 0.45, 0.55, 0.0])
-    np.testing.assert_allclose(out, [0.25, 1.0, 1.0, 0.0, 0.55, 0.25])  # 0.55: empty bin -> raw
+    np.testing.assert_allclose(out, [post(1, 3), post(2, 0), post(2, 0), post(0, 1), post(0, 0), post(1, 3)])
+    assert 0.28 < out[0] < 0.29 and 0.70 < out[1] < 0.71 and 0.44 < out[4] < 0.45  # worked by hand
+    np.testing.assert_allclose(HistogramCalibrator(10)([0.3, 0.8]), [0.3, 0.8])  # no rows yet: the score itself
+
+
+def test_survival_probabilities_average_kappa_and_stay_in_bounds():
+    from agentrl.select.arrol import survival_probabilities
+
+    for probs in ([0.9, 0.85, 0.8, 0.75, 0.7, 0.2, 0.1, 0.05], [0.5] * 6, [0.99, 0.98, 0.97, 0.01], [0.3, 0.6, 0.2]):
+        for kappa in (0.25, 0.5, 0.75):
+            s = survival_probabilities(probs, kappa)
+            assert abs(s.mean() - kappa) < 1e-9 and (s >= 0.1 - 1e-12).all() and (s <= 0.9 + 1e-12).all()
+    s = survival_probabilities([0.9] * 6 + [0.1] * 2, 0.5)  # mostly likely wins: the likely losses survive more
+    assert s[6] > s[0] and s[6] == s[7] and s[0] == s[5]
+    kept_pos = (s * np.array([0.9] * 6 + [0.1] * 2)).sum() / s.sum()
+    assert abs(kept_pos - 0.5) < abs(0.7 - 0.5)  # the kept group is expected closer to balance than the group (0.7)
+
+
+def test_survival_draws_average_kappa_and_every_rollout_keeps_a_chance():
+    """The paper's rule is stochastic; the old rule kept exactly ceil(kappa * n), always the same ones."""
+    from agentrl.select.arrol import keep_survival
+
+    rng = np.random.default_rng(0)
+    probs = [0.95, 0.9, 0.9, 0.85, 0.8, 0.3, 0.1, 0.05]
+    draws = np.array([keep_survival(probs, 0.5, rng, min_group=0) for _ in range(20000)])
+    assert abs(draws.mean() - 0.5) < 0.01  # a group's survival draws average kappa
+    assert (draws.mean(0) > 0.05).all()  # every rollout survives sometimes
+    assert len({d.sum() for d in draws}) > 3  # not a fixed count
+    assert sum(keep(probs, 0.5)) == 4 and keep(probs, 0.5) == keep(probs, 0.5)
+    few = [keep_survival(probs, 0.1, rng) for _ in range(500)]  # at least 2 stay, so the group keeps an advantage
+    assert min(sum(k) for k in few) >= 2
+
+
+def test_finished_trajectories_count_in_the_balance():
+    """Two trajectories won before K: counted, the group is already positive, so both rules lean
+    to the running ones likely to fail (the old rule left them out and kept one high, one low)."""
+    from agentrl.select.arrol import survival_probabilities
+
+    probs = [0.9, 0.1, 0.8, 0.2]
+    assert keep(probs, 0.5) == [True, True, False, False]  # alone: one likely win, one likely loss
+    assert keep(probs, 0.5, fixed=[1.0, 1.0]) == [False, True, False, True]  # with two wins: the likely losses
+    alone, counted = survival_probabilities(probs, 0.5), survival_probabilities(probs, 0.5, fixed=[1.0, 1.0])
+    np.testing.assert_allclose(alone, [0.5] * 4)  # balanced on its own: no correction
+    assert min(counted[1], counted[3]) > max(counted[0], counted[2]) and abs(counted.mean() - 0.5) < 1e-9
 
 
 def test_state_round_trip_identical_predictions(tmp_path):

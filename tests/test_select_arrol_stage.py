@@ -75,7 +75,7 @@ def test_cold_start_records_features_and_trains_the_head(tiny_model, tokenizer, 
 
 def test_after_cold_start_half_the_group_is_pruned(tiny_model, tokenizer, games):
     game = games["look_at_obj_in_light"]
-    stage = ArrolStage(tiny_model, K=2, kappa=0.5, cold_start=1, max_steps=10, train_steps=2)
+    stage = ArrolStage(tiny_model, K=2, kappa=0.5, cold_start=1, max_steps=10, train_steps=2, rule="deterministic")
     stage.begin(1)
     warm = _group(game, tokenizer, 6, steps=2)
     stage.at_step(2, warm)
@@ -154,7 +154,7 @@ def test_rollout_prunes_half_of_a_real_group_at_step_1(tiny_model, tokenizer, ga
     sent = []  # (op, handles) the rollout asked of the envs
     submit = envs.submit
     envs.submit = lambda op, items: sent.append((op, [h for h, _ in items])) or submit(op, items)
-    stage = ArrolStage(tiny_model, K=1, kappa=0.5, cold_start=0, max_steps=3, train_steps=2)
+    stage = ArrolStage(tiny_model, K=1, kappa=0.5, cold_start=0, max_steps=3, train_steps=2, rule="deterministic")
     policy = ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 8), seed=1)
     rollout = run_lockstep([games["look_at_obj_in_light"]], policy, max_steps=3, fuzzy_threshold=0, group_size=6,
                            envs=envs, stages=[stage])

@@ -65,18 +65,88 @@ def test_streaks_count_reset_and_ignore_cut_groups():
     assert gid not in s.streaks and s.skip_probability(gid) == 0.0
 
 
+def past_first_epoch(s: Greso, pool: int = 4) -> Greso:
+    s.pool_size, s.considered_total = pool, 2 * pool  # the authors move p only when epoch > 0 (RT 1207)
+    return s
+
+
 def test_controller_steps_and_clamps():
-    s = Greso(p_start=0.5, step=0.01)  # targets: easy 1/12, hard 1/6
-    s.observe([group(0, EASY), group(1, MIXED), group(2, MIXED), group(3, MIXED)])  # easy 0.25 > 1/12; hard 0 <= 1/6
+    s = past_first_epoch(Greso(p_start=0.5, step=0.01))  # targets: easy 1/12, hard 1/6
+    s.observe([group(0, EASY), group(1, MIXED), group(2, MIXED), group(3, MIXED)])  # easy 0.25 >= 1/12; hard 0 < 1/6
     assert s.p["easy"] == pytest.approx(0.49) and s.p["hard"] == pytest.approx(0.51)
     s.observe([group(0, EASY, cut=True)])  # no labelled group: no step
     assert s.p["easy"] == pytest.approx(0.49) and s.p["hard"] == pytest.approx(0.51)
-    s = Greso(p_start=0.06, p_min=0.05, step=0.02)
+    s = past_first_epoch(Greso(p_start=0.06, p_min=0.05, step=0.02))
     s.observe([group(0, HARD)])
     assert s.p["hard"] == pytest.approx(0.05) and s.p["easy"] == pytest.approx(0.08)
-    s = Greso(p_start=0.995, step=0.01)
+    s = past_first_epoch(Greso(p_start=0.945, step=0.01))
     s.observe([group(0, MIXED)])
-    assert s.p["easy"] == 1.0 and s.p["hard"] == 1.0
+    assert s.p["easy"] == 0.95 and s.p["hard"] == 0.95  # authors' max_p (RT 1204): skipping never switches off
+
+
+def test_at_exactly_the_target_p_goes_down():
+    """The authors compare with >= (RT 1208): at the target, skip more. The old rule (>) raised p."""
+    s = past_first_epoch(Greso(p_start=0.5, target_easy=0.25, target_hard=0.5))
+    s.observe([group(0, EASY), group(1, HARD), group(2, HARD), group(3, MIXED)])  # easy 0.25, hard 0.5: exactly
+    assert s.p["easy"] == pytest.approx(0.49) and s.p["hard"] == pytest.approx(0.49)
+
+
+def test_p_stays_put_during_the_first_epoch():
+    s = Greso(p_start=0.5, pool_size=8)
+    s.choose([game(i) for i in range(4)], want=4)  # half the pool: still epoch 0
+    s.observe([group(i, EASY) for i in range(4)])
+    assert s.p == {"easy": 0.5, "hard": 0.5} and s.streaks[game(0).game_id] == (1, "easy")  # streaks do count
+    s.choose([game(i) for i in range(4, 8)], want=4)  # the rest of the pool: the first pass completes
+    s.observe([group(i, EASY) for i in range(4, 8)])
+    assert s.p == {"easy": 0.5, "hard": 0.5} and s.epoch == 1
+    s.choose([game(i) for i in range(4)], want=4)  # epoch 1: the controller runs
+    s.observe([group(i, EASY) for i in range(4)])
+    assert s.p["easy"] == pytest.approx(0.49) and s.p["hard"] == pytest.approx(0.51)
+
+
+def test_a_long_streak_keeps_one_percent():
+    """skip = 1 - max(p**z, 0.01) (PS 117, 142): p = 0.05 and z = 2 keeps 1% (the old rule 0.25%)."""
+    s = Greso(p_start=0.05)
+    s.streaks["task-0/trial"] = (2, "hard")
+    assert s.skip_probability("task-0/trial") == pytest.approx(0.99)
+    s.streaks["task-0/trial"] = (40, "hard")
+    assert s.skip_probability("task-0/trial") == pytest.approx(0.99)  # never practically forever
+    s = Greso(seed=5, p_start=0.05)
+    s.streaks = {game(i).game_id: (30, "hard") for i in range(20000)}
+    kept = s.choose([game(i) for i in range(20000)], want=20000)
+    assert 140 < len(kept) < 270  # 1% of 20000 = 200
+
+
+def test_a_refill_round_passes_through_greso():
+    """DAPO refill rounds draw their tasks through GRESO's coin (RT 988-1016), within the same
+    iteration's accounting; before, they came straight from the pool."""
+    import types
+
+    from agentrl.config import load_config
+    from agentrl.select.selection import Selection
+
+    pool = [game(i) for i in range(40)]
+    tasks = types.SimpleNamespace(pool=pool, stream=lambda: list(pool), select=lambda n: pool[:n])
+    sel = Selection(load_config(None, {"select.stages": "greso,dapo", "rollout.gate": "off"}))
+    greso = sel.by_name["greso"]
+    greso.streaks = {g.game_id: (30, "easy") for g in pool[:20]}  # 99% skipped
+    first = greso.choose(tasks.stream(), 4)
+    refill = sel.refill_tasks(tasks, 4)
+    skipped_ids = {g.game_id for g in pool[:20]}
+    assert len(refill) == 4 and sum(g.game_id in skipped_ids for g in first + refill) <= 1  # the coin kept them out
+    # (the old refill, tasks.select(4), took pool[:4]: four streaky tasks)
+    assert greso.stats().decisions["tasks_considered"] >= 40  # both rounds counted: one iteration
+
+
+def test_pilot_groups_leave_streaks_alone_unless_asked():
+    pilot = group(0, [True, True])
+    pilot.excluded_by = "pilot-commit"
+    s = Greso()
+    s.observe([pilot])
+    assert s.streaks == {}
+    s = Greso(count_pilots=True)
+    s.observe([pilot])
+    assert s.streaks == {game(0).game_id: (1, "easy")}
 
 
 def test_choose_skips_with_the_right_frequency():
@@ -106,7 +176,7 @@ def test_stats_tokens_avoided_and_reset():
     st = s.stats()
     assert st.decisions["tasks_skipped"] == 3
     assert st.step_tokens_avoided == 3 * 80 and st.precision is None
-    assert set(st.extra) == {"p_easy", "p_hard"}
+    assert set(st.extra) == {"p_easy", "p_hard", "epoch"}
     s.choose([], want=3)
     assert s.stats().decisions == {"tasks_skipped": 0, "tasks_considered": 0}
     assert s.stats().step_tokens_avoided == 0

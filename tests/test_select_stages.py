@@ -16,7 +16,7 @@ from agentrl.rollout.trajectory import Trajectory
 from agentrl.select import STAGES, stage_names
 from agentrl.select.cut import CutStage
 from agentrl.select.dapo import DapoFilter
-from agentrl.select.selection import Selection, merge_pilot_commit
+from agentrl.select.selection import Selection, merge_group
 from agentrl.train.advantage import batch_advantages
 
 
@@ -105,14 +105,12 @@ def test_dapo_filters_zero_variance_groups_and_refills_up_to_its_limit():
 
 
 def test_pilot_and_commit_trajectories_form_one_group():
-    pilot = Rollout([finish(group(0, [None] * 2), [True, False]), finish(group(1, [None] * 2), [False, False])],
-                    RolloutStats(4, 30, 1.0, 0.5, 2.0))
-    commit = Rollout([finish(group(0, [None] * 2, first=2), [True, True])], RolloutStats(2, 30, 1.0, 0.5, 2.0))
-    merged = merge_pilot_commit(pilot, commit)
-    one, deferred = merged.groups
+    pilot = finish(group(0, [None] * 2), [True, False])
+    commit = finish(group(0, [None] * 2, first=2), [True, True])
+    one = merge_group(pilot, commit)
     assert [t.index for t in one.trajectories] == [0, 1, 2, 3] and one.rewards == [1.0, 0.0, 1.0, 1.0]
-    assert deferred.excluded_by == "pilot-commit" and merged.stats.step_tokens == 60
-    assert [t.index for t, _ in batch_advantages(merged.groups)] == [0, 1, 2, 3]
+    assert one.carried_step_tokens == 0 and merge_group(pilot, commit, carried=20).carried_step_tokens == 20
+    assert [t.index for t, _ in batch_advantages([one])] == [0, 1, 2, 3]  # GRPO over pilot + commit (T 659-661)
 
 
 def test_select_list_is_ordered_by_stage_point_and_checked():
@@ -126,7 +124,7 @@ def test_select_list_is_ordered_by_stage_point_and_checked():
         ({"select.gate_audit": 1.5}, r"select.gate_audit must be in \[0, 1\]"),
         ({"select.stages": "dapo", "select.gate_audit": 0.1}, "audits the gate: select cut too"),
         ({"select.stages": "greso", "select.greso.p_min": 0.0}, "select.greso needs 0 < p_min"),
-        ({"select.stages": "pilot-commit", "select.pilot_commit.n_pilot": 8}, r"n_pilot must be in \[1, G=8\)"),
+        ({"select.stages": "pilot-commit", "select.pilot_commit.n_pilot": 8}, r"n_pilot must be auto or in \[1, G=8\)"),
         ({"select.stages": "arrol", "select.arrol.kappa": 0}, r"kappa must be in \(0, 1\]"),
     ]:
         with pytest.raises(UserError, match=message):

@@ -169,19 +169,25 @@ class GresoConfig:
     """GRESO (seed 002): skip a task with probability 1 - p^z after z zero-variance groups in a row."""
 
     p_init: float = 0.5
-    p_min: float = 0.05
+    p_min: float = 0.05  # p stays in [p_min, p_max] (authors: 0.05, 0.95)
+    p_max: float = 0.95
     target: float = 0.25  # target zero-variance rate, split easy:hard = 1:2
     step: float = 0.01  # controller step on p per iteration
+    count_pilots: bool = False  # let Pilot-Commit's pilot groups update streaks and rates (not the authors')
 
 
 @dataclass
 class PilotCommitConfig:
     """Pilot-Commit (seed 004): pilot n_pilot trajectories on pilot_factor x B tasks, commit the rest of G."""
 
-    pilot_factor: int = 3
-    n_pilot: int = 2
+    pilot_factor: int = 3  # fresh tasks piloted per round, x B (authors: gen = 3 x train)
+    n_pilot: int | str = "auto"  # auto: G / 4, the authors' pilot:commit split (32/96, 16/48)
     low: float = 0.125
     high: float = 0.75
+    evict_at: float | None = None  # evict a task for good at this pilot success (authors' scripts: 1.0; code: off)
+    max_rounds: int = 10  # pilot rounds per iteration until B tasks are committed
+    max_age: int = 4  # iterations a passed task waits in the buffer
+    sampling: str = "max_variance"  # which buffered tasks are committed first: max_variance | random
 
 
 @dataclass
@@ -191,6 +197,10 @@ class ArrolConfig:
     K: int = 10
     kappa: float = 0.5  # keep rate
     cold_start: int = 20  # iterations without pruning while the head learns
+    rule: str = "survival"  # survival (the paper's: a seeded draw per trajectory) | deterministic (exactly ceil(kappa n))
+    balance: float = 8.0  # survival: lambda, the strength of the balance correction (lost from the text; ours)
+    s_min: float = 0.1  # survival probabilities are clipped to [s_min, s_max] (lost from the text; ours)
+    s_max: float = 0.9
 
 
 @dataclass

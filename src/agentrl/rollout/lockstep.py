@@ -125,6 +125,7 @@ class Group:
     live_at_cut: int = 0  # trajectories still running when the gate fired
     excluded_by: str | None = None  # the selection stage that kept this group out of the loss
     pruned: list[Trajectory] = field(default_factory=list)  # stopped inside the group (ARRoL): not in the loss
+    carried_step_tokens: int = 0  # step tokens of trajectories generated in an earlier iteration (Pilot-Commit's buffer)
     cut_step: int | None = None
     generate_s: float = 0.0  # its share of each batched generate call (by generated tokens)
     env_s: float = 0.0

@@ -44,6 +44,20 @@ class Trajectory:
     def done(self) -> bool:
         return self.stop_reason is not None
 
+    def to_json(self) -> dict:
+        """Everything, JSON-safe (a checkpoint keeps Pilot-Commit's buffered pilots this way)."""
+        d = asdict(self)
+        d["game"] = {**d["game"], "path": str(self.game.path), "walkthrough": list(self.game.walkthrough)}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Trajectory":
+        from pathlib import Path
+
+        g = d["game"]
+        game = Game(**{**g, "path": Path(g["path"]), "walkthrough": tuple(g.get("walkthrough", ()))})
+        return cls(**{**d, "game": game, "steps": [Step(**s) for s in d["steps"]]})
+
     @property
     def won(self) -> bool:
         return self.stop_reason == "won"

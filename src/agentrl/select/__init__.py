@@ -27,6 +27,12 @@ def stage_names(cfg) -> list[str]:
     return sorted(set(names), key=STAGES.index)
 
 
+def pilot_count(cfg) -> int:
+    """select.pilot_commit.n_pilot resolved: auto = G / 4 (at least 1), the authors' pilot:commit split."""
+    n = cfg.select.pilot_commit.n_pilot
+    return max(1, cfg.rollout.group_size // 4) if n == "auto" else n
+
+
 def check_select(cfg) -> None:
     """One-line errors for a bad `select` section (called by Config.validate)."""
     s, names = cfg.select, stage_names(cfg)
@@ -43,13 +49,23 @@ def check_select(cfg) -> None:
         if not ok:
             raise UserError(message)
     per_stage = {"greso": [
-        (0.0 < s.greso.p_min <= s.greso.p_init <= 1.0, f"select.greso needs 0 < p_min <= p_init <= 1, got {s.greso.p_min}, {s.greso.p_init}"),
+        (0.0 < s.greso.p_min <= s.greso.p_init <= s.greso.p_max <= 1.0,
+         f"select.greso needs 0 < p_min <= p_init <= p_max <= 1, got {s.greso.p_min}, {s.greso.p_init}, {s.greso.p_max}"),
         (0.0 <= s.greso.target <= 1.0, f"select.greso.target must be in [0, 1], got {s.greso.target}"),
         (0.0 < s.greso.step <= 1.0, f"select.greso.step must be in (0, 1], got {s.greso.step}"),
     ], "pilot-commit": [
         (s.pilot_commit.pilot_factor >= 1, f"select.pilot_commit.pilot_factor must be >= 1, got {s.pilot_commit.pilot_factor}"),
-        (1 <= s.pilot_commit.n_pilot < cfg.rollout.group_size,
-         f"select.pilot_commit.n_pilot must be in [1, G={cfg.rollout.group_size}), got {s.pilot_commit.n_pilot}"),
+        (s.pilot_commit.n_pilot == "auto" or (not isinstance(s.pilot_commit.n_pilot, str)
+                                               and 1 <= s.pilot_commit.n_pilot < cfg.rollout.group_size),
+         f"select.pilot_commit.n_pilot must be auto or in [1, G={cfg.rollout.group_size}), got {s.pilot_commit.n_pilot}"),
+        (pilot_count(cfg) < cfg.rollout.group_size if s.pilot_commit.n_pilot == "auto" else True,
+         f"select.pilot_commit needs G >= 2 (a pilot and a commit), got G={cfg.rollout.group_size}"),
+        (s.pilot_commit.evict_at is None or 0 < s.pilot_commit.evict_at <= 1,
+         f"select.pilot_commit.evict_at must be in (0, 1] or null, got {s.pilot_commit.evict_at}"),
+        (s.pilot_commit.max_rounds >= 1, f"select.pilot_commit.max_rounds must be >= 1, got {s.pilot_commit.max_rounds}"),
+        (s.pilot_commit.max_age >= 0, f"select.pilot_commit.max_age must be >= 0, got {s.pilot_commit.max_age}"),
+        (s.pilot_commit.sampling in ("max_variance", "random"),
+         f"select.pilot_commit.sampling must be max_variance or random, got {s.pilot_commit.sampling!r}"),
         (0.0 <= s.pilot_commit.low < s.pilot_commit.high <= 1.0,
          f"select.pilot_commit needs 0 <= low < high <= 1, got {s.pilot_commit.low}, {s.pilot_commit.high}"),
     ], "arrol": [
@@ -63,4 +79,4 @@ def check_select(cfg) -> None:
                 raise UserError(message)
 
 
-__all__ = ["POINTS", "STAGES", "Stage", "StageStats", "check_select", "stage_names"]
+__all__ = ["POINTS", "STAGES", "Stage", "StageStats", "check_select", "pilot_count", "stage_names"]

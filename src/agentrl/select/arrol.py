@@ -9,10 +9,22 @@ trajectories stop generating. Adapted here to ALFWorld agents:
   us detached, [n, hidden_size]; the backbone is never trained by this head);
 - head: a 2-layer MLP on standardised features, trained online (BCE with logits, Adam) on a
   bounded replay buffer of (features, final reward) rows; deterministic on CPU given `seed`;
-- calibration: histogram binning of the raw sigmoid probability (equal-width bins -> the bin's
-  empirical success rate on the buffer; an empty bin backs off to the raw probability);
-- rule (`keep`): keep m = max(2, ceil(kappa * n)) trajectories maximising the kept group's
-  expected reward variance (never prune a group of n <= 2);
+- calibration (paper A.4): the sigmoid score falls in one of M equal-width bins; per bin the
+  buffer's positive and negative counts, Laplace-smoothed class-conditional likelihoods
+  P(b|+) = (n+_b + a) / (N+ + a M) (and for -), and the posterior by Bayes' rule with the
+  buffer's prior pi = N+ / N: p = pi P(b|+) / (pi P(b|+) + (1 - pi) P(b|-)); M = 10, a = 1;
+- rule `survival` (the paper's, default; A.4): each running trajectory survives with
+  probability s_i = clip(beta - lambda (pbar - rho) (p_i - rho), s_min, s_max), an affine
+  function of its posterior's deviation from the target positive ratio rho = 0.5 whose slope
+  is set by the group's imbalance pbar - rho (pbar: the group's mean, trajectories that already
+  finished counted with their real outcome), so surviving groups drift toward balance; the bias
+  beta is found by bisection so the running trajectories' mean survival is kappa. Every rollout
+  keeps a chance: s_min > 0. The text we have lost the constants: we use s_min = 0.1,
+  s_max = 0.9 and lambda = 8 (at lambda = 1 a 6:2 group moves its survival by only 0.05);
+  at least 2 trajectories of a group stay (finished ones included), so it keeps an advantage;
+- rule `deterministic` (an option, the earlier agentrl rule): keep exactly ceil(kappa * r) of
+  the r running trajectories, maximising the kept group's expected reward variance;
+- trajectories that finished before K are never pruned and count in the balance of both rules;
 - cold start: no pruning during the first `cold_start` iterations; the head still trains.
 """
 
@@ -29,11 +41,17 @@ from agentrl.errors import UserError
 from agentrl.select.base import StageStats
 
 
-def keep(probs: Sequence[float], kappa: float) -> list[bool]:
-    """Which trajectories of a group to keep, given their predicted success probabilities.
+RULES = ("survival", "deterministic")
 
-    Keeps m = max(2, ceil(kappa * n)) of the n (all of them if n <= 2 or m >= n). The kept set
-    maximises the expected (population) variance of its 0/1 rewards, for independent outcomes:
+
+def keep(probs: Sequence[float], kappa: float, fixed: Sequence[float] = ()) -> list[bool]:
+    """The `deterministic` rule: which running trajectories of a group to keep, given their
+    predicted success probabilities; `fixed`: the real outcomes of the group's trajectories that
+    already finished (always kept, counted in the balance).
+
+    Keeps m = ceil(kappa * r) of the r = len(probs) running ones (at least enough for 2 in the
+    group; all of them if r <= 2 or m >= r). The kept set, with the finished ones, maximises the
+    expected (population) variance of its 0/1 rewards, for independent outcomes:
 
         m^2 * E[s^2] = (m - 1) * S - S^2 + sum(p_i^2),   S = sum(p_i)
 
@@ -41,23 +59,55 @@ def keep(probs: Sequence[float], kappa: float) -> list[bool]:
     Exact search: with the other kept items fixed, the objective is linear in any one item's p,
     so some optimum consists of the i highest and the m - i lowest probabilities. We sort by
     (-p, index) and try every i in m..0; ties keep the earlier i, so equal probabilities keep
-    the lowest indices.
+    the lowest indices. (m, S and the sums run over the kept running and the finished ones.)
     """
-    n = len(probs)
-    m = max(2, math.ceil(kappa * n))
-    if n <= 2 or m >= n:
-        return [True] * n
-    order = sorted(range(n), key=lambda j: (-float(probs[j]), j))
-    best, best_score = None, -math.inf
-    for i in range(m, -1, -1):
-        chosen = order[:i] + order[n - m + i:]
-        p = [float(probs[j]) for j in chosen]
-        s = sum(p)
-        score = (m - 1) * s - s * s + sum(x * x for x in p)
+    r, f = len(probs), [float(x) for x in fixed]
+    free = max(math.ceil(kappa * r), 2 - len(f))  # running trajectories to keep
+    if r <= 2 or free >= r:
+        return [True] * r
+    order = sorted(range(r), key=lambda j: (-float(probs[j]), j))
+    best, best_score = [], -math.inf
+    for i in range(free, -1, -1):
+        chosen = order[:i] + order[r - free + i:]
+        p = [float(probs[j]) for j in chosen] + f
+        k, s = len(p), sum(p)
+        score = (k - 1) * s - s * s + sum(x * x for x in p)
         if score > best_score + 1e-12:
             best, best_score = chosen, score
     kept = set(best)
-    return [j in kept for j in range(n)]
+    return [j in kept for j in range(r)]
+
+
+def survival_probabilities(probs: Sequence[float], kappa: float, fixed: Sequence[float] = (), rho: float = 0.5,
+                           balance: float = 8.0, s_min: float = 0.1, s_max: float = 0.9) -> np.ndarray:
+    """The paper's survival probabilities (A.4, Eq. 2) of the running trajectories: see the
+    module docstring. Their mean is kappa (bisection on the bias), each in [s_min, s_max]."""
+    p = np.asarray(probs, dtype=np.float64)
+    if not len(p):
+        return p
+    pbar = float(np.mean(np.concatenate([p, np.asarray(fixed, dtype=np.float64)])))
+    slope = -balance * (pbar - rho) * (p - rho)
+    lo, hi = s_min - slope.max() - 1.0, s_max - slope.min() + 1.0
+    for _ in range(100):  # mean(clip(beta + slope)) is non-decreasing in beta
+        beta = (lo + hi) / 2
+        if np.clip(beta + slope, s_min, s_max).mean() < kappa:
+            lo = beta
+        else:
+            hi = beta
+    return np.clip((lo + hi) / 2 + slope, s_min, s_max)
+
+
+def keep_survival(probs: Sequence[float], kappa: float, rng: np.random.Generator, fixed: Sequence[float] = (),
+                  min_group: int = 2, **survival_kwargs) -> list[bool]:
+    """The `survival` rule: one Bernoulli draw per running trajectory with its survival
+    probability; if fewer than `min_group` of the group would stay (finished ones included), the
+    most likely survivors among the drawn-out are kept back."""
+    s = survival_probabilities(probs, kappa, fixed, **survival_kwargs)
+    kept = list(rng.random(len(s)) < s)
+    short = min_group - len(fixed) - sum(kept)
+    for j in sorted((j for j in range(len(s)) if not kept[j]), key=lambda j: (-s[j], j))[: max(0, short)]:
+        kept[j] = True
+    return kept
 
 
 class QualityHead(nn.Module):
@@ -74,36 +124,47 @@ class QualityHead(nn.Module):
 
 
 class HistogramCalibrator:
-    """Equal-width bins on [0, 1] of the raw probability -> the bin's empirical success rate.
-    A bin with no rows maps a probability to itself (back-off to the raw probability)."""
+    """Online binned calibration (paper A.4): equal-width bins on [0, 1] of the sigmoid score,
+    Laplace-smoothed class-conditional likelihoods per bin, posterior by Bayes' rule with the
+    buffer's prior. With no labelled rows yet it returns the score itself."""
 
-    def __init__(self, bins: int = 10):
-        self.bins = bins
-        self.counts = [0] * bins
-        self.successes = [0.0] * bins
+    def __init__(self, bins: int = 10, alpha: float = 1.0):
+        self.bins, self.alpha = bins, float(alpha)
+        self.positives = [0.0] * bins
+        self.negatives = [0.0] * bins
 
     def _bin(self, raw: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(raw, dtype=np.float64) * self.bins).astype(int), 0, self.bins - 1)
 
     def fit(self, raw: Sequence[float], outcomes: Sequence[float]) -> None:
         b = self._bin(np.asarray(raw))
-        y = np.asarray(outcomes, dtype=np.float64)
-        self.counts = np.bincount(b, minlength=self.bins).tolist()
-        self.successes = np.bincount(b, weights=y, minlength=self.bins).tolist()
+        y = (np.asarray(outcomes, dtype=np.float64) > 0).astype(np.float64)
+        self.positives = np.bincount(b, weights=y, minlength=self.bins).tolist()
+        self.negatives = np.bincount(b, weights=1.0 - y, minlength=self.bins).tolist()
 
     def __call__(self, raw: Sequence[float]) -> np.ndarray:
         raw = np.asarray(raw, dtype=np.float64)
-        counts = np.asarray(self.counts, dtype=np.float64)
-        rate = np.asarray(self.successes) / np.maximum(counts, 1)
+        pos, neg = np.asarray(self.positives), np.asarray(self.negatives)
+        n_pos, n_neg = pos.sum(), neg.sum()
+        if n_pos + n_neg == 0:
+            return raw
+        a, M = self.alpha, self.bins
         b = self._bin(raw)
-        return np.where(counts[b] > 0, rate[b], raw)
+        like_pos = (pos[b] + a) / (n_pos + a * M)
+        like_neg = (neg[b] + a) / (n_neg + a * M)
+        prior = n_pos / (n_pos + n_neg)
+        return prior * like_pos / (prior * like_pos + (1 - prior) * like_neg)
 
     def state_dict(self) -> dict:
-        return {"bins": self.bins, "counts": list(self.counts), "successes": list(self.successes)}
+        return {"bins": self.bins, "alpha": self.alpha, "positives": list(self.positives), "negatives": list(self.negatives)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.bins = state["bins"]
-        self.counts, self.successes = list(state["counts"]), list(state["successes"])
+        self.bins, self.alpha = state["bins"], state.get("alpha", 1.0)
+        if "positives" in state:
+            self.positives, self.negatives = list(state["positives"]), list(state["negatives"])
+        else:  # a checkpoint of the earlier calibrator: counts and successes per bin
+            self.positives = list(state["successes"])
+            self.negatives = [c - w for c, w in zip(state["counts"], state["successes"])]
 
 
 def _check(ok: bool, what: str, value) -> None:
@@ -130,7 +191,8 @@ class Arrol:
 
     def __init__(self, hidden_size: int, K: int = 10, kappa: float = 0.5, cold_start: int = 20,
                  bins: int = 10, lr: float = 1e-3, seed: int = 0, *, width: int = 256,
-                 buffer_size: int = 4096, train_steps: int = 16, batch_size: int = 256):
+                 buffer_size: int = 4096, train_steps: int = 16, batch_size: int = 256, rule: str = "survival",
+                 balance: float = 8.0, s_min: float = 0.1, s_max: float = 0.9, rho: float = 0.5):
         _check(_is_int(hidden_size) and hidden_size >= 1, "hidden_size must be an integer >= 1", hidden_size)
         _check(_is_int(K) and K >= 1, "K must be an integer >= 1", K)
         _check(isinstance(kappa, (int, float)) and 0 < kappa <= 1, "kappa must be in (0, 1]", kappa)
@@ -141,6 +203,13 @@ class Arrol:
         for key, v in (("width", width), ("buffer_size", buffer_size), ("train_steps", train_steps),
                        ("batch_size", batch_size)):
             _check(_is_int(v) and v >= 1, f"{key} must be an integer >= 1", v)
+        _check(rule in RULES, f"rule must be one of {', '.join(RULES)}", rule)
+        _check(isinstance(s_min, (int, float)) and isinstance(s_max, (int, float)) and 0 < s_min <= kappa <= s_max <= 1,
+               f"need 0 < s_min <= kappa={kappa} <= s_max <= 1 (s_min, s_max)", (s_min, s_max))
+        _check(isinstance(balance, (int, float)) and balance >= 0, "balance must be >= 0", balance)
+        _check(isinstance(rho, (int, float)) and 0 <= rho <= 1, "rho must be in [0, 1]", rho)
+        self.rule, self.survival = rule, dict(balance=float(balance), s_min=float(s_min), s_max=float(s_max), rho=float(rho))
+        self.rng = np.random.default_rng(seed)  # the survival draws (saved in checkpoints)
         self.hidden_size, self.K, self.kappa, self.cold_start = hidden_size, K, float(kappa), cold_start
         self.lr, self.seed, self.width = float(lr), seed, width
         self.buffer_size, self.train_steps, self.batch_size = buffer_size, train_steps, batch_size
@@ -162,8 +231,12 @@ class Arrol:
         self._open()
         return (self.iteration if iteration is None else iteration) >= self.cold_start
 
-    def keep(self, probs: Sequence[float], kappa: float | None = None) -> list[bool]:
-        return keep(probs, self.kappa if kappa is None else kappa)
+    def keep(self, probs: Sequence[float], kappa: float | None = None, fixed: Sequence[float] = ()) -> list[bool]:
+        """Which running trajectories stay; `fixed`: real outcomes of the group's finished ones."""
+        kappa = self.kappa if kappa is None else kappa
+        if self.rule == "deterministic":
+            return keep(probs, kappa, fixed)
+        return keep_survival(probs, kappa, self.rng, fixed, **self.survival)
 
     @torch.no_grad()
     def raw_probs(self, features: torch.Tensor) -> np.ndarray:
@@ -253,6 +326,7 @@ class Arrol:
             "buffer": {"features": self.features.clone(), "rewards": self.rewards.clone()},
             "calibration": self.calibrator.state_dict(),
             "hidden_size": self.hidden_size, "iteration": self.iteration, "updates": self.updates,
+            "rng": self.rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -265,4 +339,6 @@ class Arrol:
         self.rewards = state["buffer"]["rewards"].to(torch.float32).clone()
         self.calibrator.load_state_dict(state["calibration"])
         self.iteration, self.updates = int(state["iteration"]), int(state["updates"])
+        if "rng" in state:
+            self.rng.bit_generator.state = state["rng"]
         self._stats, self._closed, self.last_brier = StageStats(), False, None

@@ -94,7 +94,8 @@ class ArrolStage:
         if step != self.K or getattr(group, "cut", False):
             return
         running = [t for t in group.trajectories if not t.done]
-        if len(running) < 3:  # the keep rule never prunes a group of 2
+        finished = [t.reward for t in group.trajectories if t.done]  # counted in the balance, never pruned
+        if len(running) < 3:  # 2 running are never pruned (the group keeps an advantage)
             return
         feats = self.features(running)
         for t, f in zip(running, feats):
@@ -102,7 +103,7 @@ class ArrolStage:
         cold = None if self.iteration is None else max(0, self.iteration - 1)  # iterations before this one
         if not self.arrol.should_prune(cold):
             return
-        kept = self.arrol.keep(self.arrol.predict(feats))
+        kept = self.arrol.keep(self.arrol.predict(feats), fixed=finished)
         pruned = [t for t, k in zip(running, kept) if not k]
         if not pruned:
             return

@@ -4,7 +4,8 @@ accounting that puts them side by side in metrics.jsonl."""
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from agentrl.rollout.lockstep import Rollout, RolloutStats
 
 from agentrl.errors import UserError
 from agentrl.select import stage_names
@@ -25,13 +26,16 @@ def build_stage(name: str, cfg, sampler=None):
 
         g = s.greso
         return Greso(seed=cfg.seed, p_start=g.p_init, target_easy=g.target / 3, target_hard=g.target * 2 / 3,
-                     step=g.step, p_min=g.p_min)
+                     step=g.step, p_min=g.p_min, p_max=g.p_max, count_pilots=g.count_pilots)
     if name == "pilot-commit":
         from agentrl.select.pilot_commit import PilotCommit
 
+        from agentrl.select import pilot_count
+
         p = s.pilot_commit
-        return PilotCommit(n_p=p.n_pilot, pilot_factor=p.pilot_factor, low=p.low, high=p.high,
-                           group_size=cfg.rollout.group_size)
+        return PilotCommit(n_p=pilot_count(cfg), pilot_factor=p.pilot_factor, low=p.low, high=p.high,
+                           group_size=cfg.rollout.group_size, evict_at=p.evict_at, max_rounds=p.max_rounds,
+                           max_age=p.max_age, sampling=p.sampling, seed=cfg.seed)
     if name == "arrol":
         from agentrl.select.arrol_stage import ArrolStage
 
@@ -39,7 +43,8 @@ def build_stage(name: str, cfg, sampler=None):
             raise UserError("--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)")
         a = s.arrol
         return ArrolStage(sampler, K=a.K, kappa=a.kappa, cold_start=a.cold_start, seed=cfg.seed,
-                          max_steps=cfg.rollout.max_steps or cfg.env.max_steps)
+                          max_steps=cfg.rollout.max_steps or cfg.env.max_steps, rule=a.rule, balance=a.balance,
+                          s_min=a.s_min, s_max=a.s_max)
     raise UserError(f"unknown selection stage {name!r}")
 
 
@@ -61,20 +66,56 @@ class Selection:
         """Before-rollout stages, then the rollout with the step stages (CUT, ARRoL) in it.
         `roll(games, group_size, first_index, stages) -> Rollout`.
 
-        GRESO scans a random stream of the pool and skips tasks; Pilot-Commit rolls out n_p
-        trajectories on pilot_factor x B of them (no step stages: the pilot needs final
-        outcomes), then the other G - n_p on the committed tasks (with the step stages)."""
+        GRESO scans a random stream of the pool and skips tasks. Pilot-Commit runs rounds: commit
+        the buffered tasks that passed a pilot (their other G - n_p trajectories, with the step
+        stages), pilot n_p trajectories on pilot_factor x B fresh tasks (no step stages: the
+        pilot needs final outcomes), until B tasks are committed or max_rounds."""
         greso, pc = self.by_name.get("greso"), self.by_name.get("pilot-commit")
+        if greso:
+            greso.pool_size = len(tasks.pool)  # an epoch is a pass over the pool
         if pc is None:
             games = greso.choose(tasks.stream(), B) if greso else tasks.select(B)
             return roll(games, G, 0, self.step_stages)
-        candidates = tasks.stream()
         if greso:
-            candidates = greso.choose(candidates, math.ceil(pc.pilot_factor * B))
-        pilot = roll(pc.pilot_tasks(candidates, B), pc.n_p, 0, [])
-        decision = pc.decide(pilot.groups)
-        commit = roll(decision.commit, G - pc.n_p, pc.n_p, self.step_stages)
-        return merge_pilot_commit(pilot, commit)
+            greso.choose([], 0)  # a new iteration's accounting; the pilots draw through its coin below
+        candidates = iter(greso.passing(tasks.stream()) if greso else tasks.stream())
+        groups, stats, committed, rounds = [], [], 0, 0
+        pilot_at: dict[str, int] = {}  # game_id -> index in groups of this iteration's pilot group
+        for rounds in range(1, pc.max_rounds + 1):
+            entries = pc.take(B - committed)
+            if entries:  # commit: the other G - n_p trajectories of tasks that passed a pilot
+                commit = roll([e.game for e in entries], G - pc.n_p, pc.n_p, self.step_stages)
+                stats.append(commit.stats)
+                for e, c in zip(entries, commit.groups):
+                    here = pilot_at.pop(e.game.game_id, None)
+                    if here is not None:
+                        groups[here] = None  # piloted this iteration: the merged group replaces it
+                    groups.append(merge_group(e.pilot, c, carried=0 if here is not None else e.pilot.step_tokens))
+                committed += len(entries)
+            fresh = pc.pilot_tasks(candidates, B)  # pilot: fresh tasks, in the same round (T 529)
+            if fresh:
+                pilot = roll(fresh, pc.n_p, 0, [])
+                stats.append(pilot.stats)
+                pc.decide(pilot.groups)
+                for g in pilot.groups:
+                    g.excluded_by = "pilot-commit"  # out of this iteration's loss (a passed one may be committed later)
+                    pilot_at[g.game.game_id] = len(groups)
+                    groups.append(g)
+            if committed >= B or (not fresh and not pc.buffer):
+                break
+        groups = [g for g in groups if g is not None]
+        out_of_loss = sum(g.step_tokens for g in groups if g.excluded_by == "pilot-commit")
+        n_pilot_traj = sum(len(g.trajectories) for g in groups if g.excluded_by == "pilot-commit")
+        pc.account(committed, out_of_loss, rounds, out_of_loss / n_pilot_traj if n_pilot_traj else 0.0)
+        pc.flush()
+        return Rollout(groups, RolloutStats(*(sum(getattr(s, f) for s in stats) for f in
+                                              ("env_steps", "step_tokens", "generate_s", "env_s", "wall_s"))))
+
+    def refill_tasks(self, tasks, n: int) -> list:
+        """n more tasks for a DAPO refill round, through the before-rollout filter (GRESO) as the
+        authors' refill rounds are (RT 988-1016)."""
+        greso = self.by_name.get("greso")
+        return greso.choose(tasks.stream(), n, refill=True) if greso else tasks.select(n)
 
     def keep(self, rollout, refill, B: int) -> list:
         """After rollout: the groups that enter the loss. `refill(n)` rolls out n more tasks; their
@@ -101,7 +142,9 @@ class Selection:
         return {
             "stages": {name: st.row() for name, st in stages.items()},
             "trajectories_generated": sum(len(g.trajectories) for g in groups),
-            "step_tokens_generated": sum(g.step_tokens for g in groups),  # refill rounds and pruned included
+            # refill rounds and pruned included; not the pilot tokens a commit carried from an earlier iteration
+            "step_tokens_generated": sum(g.step_tokens - g.carried_step_tokens for g in groups),
+            "step_tokens_carried": sum(g.carried_step_tokens for g in groups),
             "step_tokens_excluded_by_stages": sum(st.step_tokens_excluded for st in stages.values()),
             # in the batch with A = 0 (a zero-variance group no stage removed): generated, not trained
             "step_tokens_zero_advantage": sum(sum(t.step_tokens) for t, a in batch if a == 0.0),
@@ -117,23 +160,11 @@ class Selection:
                 self.by_name[name].load_state_dict(st)
 
 
-def merge_pilot_commit(pilot, commit):
-    """One rollout: a committed task's group = its pilot + commit trajectories (the gate's verdict
-    on the commit part applies to the group); the other pilot groups stay, out of the loss."""
-    from agentrl.rollout.lockstep import Rollout, RolloutStats
-
-    committed = {g.game.game_id: g for g in commit.groups}
-    groups = []
-    for g in pilot.groups:
-        c = committed.get(g.game.game_id)
-        if c is None:
-            g.excluded_by = "pilot-commit"
-            groups.append(g)
-        else:
-            groups.append(dataclasses.replace(c, trajectories=g.trajectories + c.trajectories, pruned=g.pruned + c.pruned,
-                                              generate_s=g.generate_s + c.generate_s, env_s=g.env_s + c.env_s,
-                                              wall_s=pilot.stats.wall_s + c.wall_s))
-    a, b = pilot.stats, commit.stats
-    stats = RolloutStats(a.env_steps + b.env_steps, a.step_tokens + b.step_tokens, a.generate_s + b.generate_s,
-                         a.env_s + b.env_s, a.wall_s + b.wall_s)
-    return Rollout(groups, stats)
+def merge_group(pilot, commit, carried: int = 0):
+    """One group: a committed task's pilot + commit trajectories (the gate's verdict on the
+    commit part applies to the group). `carried`: the pilot's step tokens if it was generated
+    in an earlier iteration."""
+    return dataclasses.replace(commit, trajectories=pilot.trajectories + commit.trajectories,
+                               pruned=pilot.pruned + commit.pruned, generate_s=pilot.generate_s + commit.generate_s,
+                               env_s=pilot.env_s + commit.env_s, wall_s=pilot.wall_s + commit.wall_s,
+                               carried_step_tokens=carried)

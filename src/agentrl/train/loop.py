@@ -272,7 +272,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
                         first_index=first_index)
 
         rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, rollout_of)  # select + rollout + gate
-        groups = selection.keep(rollout, lambda n: rollout_of(tasks.select(n)), cfg.rollout.tasks)  # filter (DAPO + refill)
+        groups = selection.keep(rollout, lambda n: rollout_of(selection.refill_tasks(tasks, n)), cfg.rollout.tasks)  # filter
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
         batch = batch_advantages(groups, cfg.train.advantage)                                     # advantage
