@@ -20,6 +20,7 @@ from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_text
 from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, run_lockstep
 from agentrl.sampling import make_sampler
+from agentrl.select.cut import CutStage
 from agentrl.sampling.base import SamplingParams
 
 GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated", "step_tokens"]
@@ -37,8 +38,8 @@ def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=Non
     t_max = r.max_steps or cfg.env.max_steps
     return run_lockstep(
         games, policy, t_max, cfg.env.fuzzy_threshold, group_size=group_size or r.group_size, first_index=first_index,
-        gate=gate, signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-        make_env=env_factory(cfg.env.kind), envs=envs, stages=stages,
+        signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
+        make_env=env_factory(cfg.env.kind), envs=envs, stages=([CutStage(gate)] if gate is not None else []) + list(stages),
     )
 
 

@@ -105,7 +105,7 @@ class RolloutConfig:
     signal_steps: list[int] = field(default_factory=lambda: [5, 10, 15, 20])  # K rows of groups.csv
 
     def parsed_gate(self):
-        from agentrl.rollout.gate import parse_gate
+        from agentrl.specs import parse_gate
 
         return parse_gate(self.gate, self.gate_or_tau)
 
@@ -314,7 +314,7 @@ class Config:
         t_max = r.max_steps or self.env.max_steps
         if gate is not None and gate.K > t_max:
             raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
-        from agentrl.select import check_select
+        from agentrl.specs import check_select
 
         check_select(self)
         return self

@@ -176,8 +176,10 @@ def _learner(cfg, sampler, size, state, out: Path) -> dict:
     _sync()
     swap_s = time.perf_counter() - t0
     state["adapter"] = adapter
+    sequence_tokens = sum(len(t.token_ids) for t in trajs)
     return {"step_tokens_trained": first.step_tokens_trained, "train_s": round(train_s, 2),
-            "learner_tokens_per_s": round(first.step_tokens_trained / train_s, 1),
+            "learner_sequence_tokens_per_s": round(sequence_tokens / train_s, 1),  # teacher-forced, whole trajectories
+            "learner_action_tokens_per_s": round(first.step_tokens_trained / train_s, 1),
             "logprob_gap_base": first.logprob_gap, "swap_s_rank16": round(swap_s, 3), **_second_gap(learner, sampler, cfg, size)}
 
 
@@ -191,20 +193,21 @@ def _second_gap(learner, sampler, cfg, size) -> dict:
 
 
 def _train(run: Path, device: str, learner_device: str | None, iterations: int, synthetic: bool) -> dict:
-    from agentrl.train.loop import prepare_run, train
+    from agentrl.train.loop import prepare_run, start_run, train
 
     overrides = {"model.device": device, "learner.device": learner_device, "train.iterations": iterations,
                  "train.eval_every": iterations}
     cfg = load_config("configs/synthetic.yaml" if synthetic and Path("configs/synthetic.yaml").is_file() else None,
                       ({"env.kind": "synthetic"} if synthetic else {}) | overrides)
     cfg = prepare_run(run, cfg, resume=False, force=True)
+    start_run(run, cfg, force=True)
     t0 = time.perf_counter()
     train(cfg, run)
     return _run_summary(run, time.perf_counter() - t0)
 
 
 def _train_real(out: Path, device: str, size) -> dict:
-    from agentrl.train.loop import prepare_run, train
+    from agentrl.train.loop import prepare_run, start_run, train
     from agentrl.train.sft import run_sft
 
     ws = out / "warmstart"
@@ -217,7 +220,9 @@ def _train_real(out: Path, device: str, size) -> dict:
         "model.device": device, "train.init_adapter": str(ws), "train.iterations": size["real_iterations"],
         "train.eval_every": size["real_iterations"], "rollout.tasks": size["real_tasks"],
         "rollout.group_size": size["real_group"], "train.eval_tasks": size["eval_tasks"]})
-    run = prepare_run(out / "real", cfg, resume=False, force=True)
+    run = out / "real"
+    cfg = prepare_run(run, cfg, resume=False, force=True)
+    start_run(run, cfg, force=True)
     t0 = time.perf_counter()
     train(cfg, run)
     return {"sft_s": round(sft_s, 1), **_run_summary(run, time.perf_counter() - t0)}

@@ -21,7 +21,6 @@ from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages
-from agentrl.rollout.gate import Gate
 from agentrl.rollout.signals import command_symbol, compute_signals
 from agentrl.rollout.trajectory import Step, Trajectory
 from agentrl.sampling.base import Sampler, SamplingParams
@@ -193,7 +192,6 @@ def run_lockstep(
     max_steps: int,
     fuzzy_threshold: float = 85.0,
     group_size: int = 1,
-    gate: Gate | None = None,
     signal_steps: tuple[int, ...] = (),
     on_step: Callable[[int, list[Trajectory]], None] | None = None,
     on_reset: Callable[[int, int], None] | None = None,
@@ -211,10 +209,8 @@ def run_lockstep(
     the waves change timings only. `stats.env_s` is the env time the caller waited for."""
     from agentrl.env.pool import LocalEnvs
 
-    from agentrl.select.cut import CutStage
-
     backend = envs if envs is not None else LocalEnvs(make_env)
-    stages = ([CutStage(gate)] if gate is not None else []) + list(stages)  # step stages: called right after step K
+    stages = list(stages)  # step stages (the gate, ARRoL), from the caller: called right after their step K
     stats = RolloutStats()
     wall = time.perf_counter()
     # trajectory i of a task samples with its own seeds; first_index > 0 adds trajectories to a group (Pilot-Commit)

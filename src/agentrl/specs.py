@@ -1,0 +1,121 @@
+"""The config's string settings parsed and checked: the gate spec (`K,d_L`) and the `--select`
+stage list. The bottom layer, beside config: config validates with these, and the rollout
+(`agentrl.rollout.gate`) and selection (`agentrl.select`) packages re-export them, so the config
+tree imports nothing above it."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from agentrl.errors import UserError
+
+_SPEC = re.compile(r"^\s*(\d+)\s*,\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class Gate:
+    K: int
+    d_L: float
+    tau_H: float | None = None  # OR-rule threshold on termination_fraction; None = off
+
+    def __post_init__(self):
+        if self.K < 1:
+            raise UserError(f"gate K must be >= 1, got {self.K}")
+        if not 0.0 <= self.d_L <= 1.0:
+            raise UserError(f"gate d_L must be in [0, 1], got {self.d_L}")
+        if self.tau_H is not None and not 0.0 <= self.tau_H <= 1.0:
+            raise UserError(f"gate tau_H must be in [0, 1], got {self.tau_H}")
+
+    def fires(self, signals: dict[str, float]) -> bool:
+        if signals["prefix_edit_distance_mean"] < self.d_L:
+            return True
+        return self.tau_H is not None and signals["termination_fraction"] >= self.tau_H
+
+    def __str__(self) -> str:
+        return f"{self.K},{self.d_L:g}" + (f" or tau>={self.tau_H:g}" if self.tau_H is not None else "")
+
+
+def parse_gate(spec: str | None, tau_H: float | None = None) -> Gate | None:
+    """'K,d_L' -> Gate; 'off' / None -> no gate."""
+    if spec is None or spec.strip().lower() in ("off", "none", ""):
+        if tau_H is not None:
+            raise UserError("--gate-or-tau needs a gate (--gate K,d_L)")
+        return None
+    m = _SPEC.match(spec)
+    if not m:
+        raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12) or off")
+    return Gate(int(m.group(1)), float(m.group(2)), tau_H)
+
+
+# every stage, in the order the loop applies them (by stage point: before, step, after)
+STAGES = ("greso", "pilot-commit", "cut", "arrol", "dapo")
+
+
+def stage_names(cfg) -> list[str]:
+    """The configured stages in application order; without `select.stages`, what the older
+    settings imply (the gate when rollout.gate is on, the DAPO filter when train.dapo_filter)."""
+    spec = cfg.select.stages
+    if spec is None:
+        names = (["cut"] if cfg.rollout.parsed_gate() is not None else []) + (["dapo"] if cfg.train.dapo_filter else [])
+    else:
+        names = [n.strip().lower() for n in spec.split(",") if n.strip() and n.strip().lower() not in ("none", "off")]
+    for n in names:
+        if n not in STAGES:
+            hint = [s for s in STAGES if s.startswith(n)] or difflib.get_close_matches(n, STAGES, n=1)
+            raise UserError(f"unknown selection stage {n!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                            + f"; choose from {', '.join(STAGES)}")
+    return sorted(set(names), key=STAGES.index)
+
+
+def pilot_count(cfg) -> int:
+    """select.pilot_commit.n_pilot resolved: auto = G / 4 (at least 1), the authors' pilot:commit split."""
+    n = cfg.select.pilot_commit.n_pilot
+    return max(1, cfg.rollout.group_size // 4) if n == "auto" else n
+
+
+def check_select(cfg) -> None:
+    """One-line errors for a bad `select` section (called by Config.validate)."""
+    s, names = cfg.select, stage_names(cfg)
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    for ok, message in [
+        ("cut" not in names or cfg.rollout.parsed_gate() is not None, "--select cut needs a gate (--gate K,d_L)"),
+        (0.0 <= s.gate_audit <= 1.0, f"select.gate_audit must be in [0, 1], got {s.gate_audit}"),
+        (s.gate_audit == 0.0 or "cut" in names, "select.gate_audit audits the gate: select cut too"),
+        (s.dapo_refill >= 0, f"select.dapo_refill must be >= 0, got {s.dapo_refill}"),
+        (s.dapo_refill == 0 or "dapo" in names, "select.dapo_refill refills what the DAPO filter drops: select dapo too"),
+        ("arrol" not in names or cfg.sampling.backend == "hf",
+         "--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)"),
+    ]:
+        if not ok:
+            raise UserError(message)
+    per_stage = {"greso": [
+        (0.0 < s.greso.p_min <= s.greso.p_init <= s.greso.p_max <= 1.0,
+         f"select.greso needs 0 < p_min <= p_init <= p_max <= 1, got {s.greso.p_min}, {s.greso.p_init}, {s.greso.p_max}"),
+        (0.0 <= s.greso.target <= 1.0, f"select.greso.target must be in [0, 1], got {s.greso.target}"),
+        (0.0 < s.greso.step <= 1.0, f"select.greso.step must be in (0, 1], got {s.greso.step}"),
+    ], "pilot-commit": [
+        (s.pilot_commit.pilot_factor >= 1, f"select.pilot_commit.pilot_factor must be >= 1, got {s.pilot_commit.pilot_factor}"),
+        (s.pilot_commit.n_pilot == "auto" or (not isinstance(s.pilot_commit.n_pilot, str)
+                                               and 1 <= s.pilot_commit.n_pilot < cfg.rollout.group_size),
+         f"select.pilot_commit.n_pilot must be auto or in [1, G={cfg.rollout.group_size}), got {s.pilot_commit.n_pilot}"),
+        (pilot_count(cfg) < cfg.rollout.group_size if s.pilot_commit.n_pilot == "auto" else True,
+         f"select.pilot_commit needs G >= 2 (a pilot and a commit), got G={cfg.rollout.group_size}"),
+        (s.pilot_commit.evict_at is None or 0 < s.pilot_commit.evict_at <= 1,
+         f"select.pilot_commit.evict_at must be in (0, 1] or null, got {s.pilot_commit.evict_at}"),
+        (s.pilot_commit.max_rounds >= 1, f"select.pilot_commit.max_rounds must be >= 1, got {s.pilot_commit.max_rounds}"),
+        (s.pilot_commit.max_age >= 0, f"select.pilot_commit.max_age must be >= 0, got {s.pilot_commit.max_age}"),
+        (s.pilot_commit.sampling in ("max_variance", "random"),
+         f"select.pilot_commit.sampling must be max_variance or random, got {s.pilot_commit.sampling!r}"),
+        (0.0 <= s.pilot_commit.low < s.pilot_commit.high <= 1.0,
+         f"select.pilot_commit needs 0 <= low < high <= 1, got {s.pilot_commit.low}, {s.pilot_commit.high}"),
+    ], "arrol": [
+        (1 <= s.arrol.K <= t_max, f"select.arrol.K must be in [1, T_max={t_max}], got {s.arrol.K}"),
+        (0.0 < s.arrol.kappa <= 1.0, f"select.arrol.kappa must be in (0, 1], got {s.arrol.kappa}"),
+        (s.arrol.cold_start >= 0, f"select.arrol.cold_start must be >= 0, got {s.arrol.cold_start}"),
+    ]}
+    for name in names:  # a stage's parameters are checked when it is selected
+        for ok, message in per_stage.get(name, []):
+            if not ok:
+                raise UserError(message)

@@ -1,0 +1,47 @@
+"""The house's layering: the package import graph (every `agentrl` import, lazy ones included)
+has no cycle, and lower layers never import higher ones."""
+
+import ast
+import graphlib
+from collections import defaultdict
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "agentrl"
+
+
+def package_graph() -> dict[str, set[str]]:
+    """agentrl.<unit> -> the units it imports; a unit is a subpackage (rollout) or a module (config)."""
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else "agentrl"
+
+    graph: dict[str, set[str]] = defaultdict(set)
+    for f in SRC.rglob("*.py"):
+        module = ".".join(f.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agentrl"):
+                names = [node.module] + ([f"agentrl.{a.name}" for a in node.names] if node.module == "agentrl" else [])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("agentrl")]
+            else:
+                continue
+            for name in names:
+                if name != "agentrl" and unit(name) != unit(module):
+                    graph[unit(module)].add(unit(name))
+    return graph
+
+
+def test_no_import_cycle():
+    graph = package_graph()
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError with the cycle
+    assert {"config", "rollout", "select", "train", "cli"} <= set(graph) | {u for v in graph.values() for u in v}
+
+
+def test_lower_layers_never_import_higher_ones():
+    graph = package_graph()
+    assert graph["config"] <= {"errors", "specs"}  # the config tree sits at the bottom
+    assert graph["specs"] <= {"errors"}
+    assert not graph["rollout"] & {"select", "train", "cli", "collect", "evaluate"}  # the runner takes its stages from the caller
+    assert not graph["select"] & {"train", "cli", "collect"}
+    assert not graph["env"] & {"rollout", "select", "train", "sampling", "cli"}
+    assert "cli" not in {u for v in graph.values() for u in v}  # nothing imports the CLI
