@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all)")
     ap.add_argument("--base-eval-limit", type=int, default=None, help="held-out games for the base model (default: --eval-limit)")
+    ap.add_argument("--arm-eval-limit", type=int, default=None,
+                    help="valid_seen games each GRPO arm's final adapter is evaluated on (default: --eval-limit); "
+                         "the first N of the warm start's eval, so the two compare game for game")
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--tasks", type=int, default=4, help="B")
     ap.add_argument("--group-size", type=int, default=4, help="G")
@@ -136,7 +139,7 @@ def main() -> None:
             last = sorted((w / name / "checkpoints").glob("it*"))[-1] / "adapter"
             out = w / f"eval-{name}-valid_seen"
             run(["eval", "--split", "valid_seen", "--max-steps", str(args.max_steps), "--out", str(out),
-                 "--limit", str(args.eval_limit or 100_000), "--adapter", str(last), *common, *workers],
+                 "--limit", str(args.arm_eval_limit or args.eval_limit or 100_000), "--adapter", str(last), *common, *workers],
                 out / "summary.json", log)
     timed("arm_evals", arm_evals)
 
@@ -155,6 +158,9 @@ def main() -> None:
         seen, unseen = (w / f"eval-{name}-{split}" / "summary.json" for split in ("valid_seen", "valid_unseen"))
         label = name if name in ("base", "warmstart") else f"GRPO {name}, {args.iterations} iterations"
         lines.append(f"| {label} | {success(seen)} | {success(unseen) if unseen.exists() else '-'} |")
+    if args.arm_eval_limit:  # the warm start on exactly the arms' games: the first N of its eval
+        rows = [json.loads(x) for x in (w / "eval-warmstart-valid_seen" / "episodes.jsonl").read_text().splitlines()][: args.arm_eval_limit]
+        lines.append(f"| warmstart on the arms' {len(rows)} valid_seen games | {sum(r['won'] for r in rows)}/{len(rows)} | - |")
     lines += ["", f"minutes per step: {json.dumps(timings)}", "", "## GRPO from the warm start: gated vs ungated", "",
               (w / "report" / "report.md").read_text(), "", "## Tier 1 A/B with the warm start", "", (t1 / "tier1.md").read_text()]
     text = "\n".join(lines)

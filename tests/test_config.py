@@ -143,3 +143,12 @@ def test_env_overlap_auto_is_on_for_gpu_samplers_only(tmp_path):
     assert env_overlap(load_config(write(tmp_path, "env:\n  overlap: true\n"), {"model.device": "cpu"})) is True
     with pytest.raises(UserError, match="env.overlap must be auto, true or false"):
         load_config(write(tmp_path, "env:\n  overlap: sometimes\n"))
+
+
+def test_log_to_names_known_loggers_only():
+    from agentrl.train.loggers import parse_log_to
+
+    assert load_config(None, {"train.log_to": "tensorboard, wandb"}).train.log_to == "tensorboard, wandb"
+    assert parse_log_to("tensorboard, wandb") == ["tensorboard", "wandb"] and parse_log_to(None) == []
+    with pytest.raises(UserError, match="train.log_to must list tensorboard and/or wandb, got 'mlflow'"):
+        load_config(None, {"train.log_to": "mlflow"})

@@ -296,3 +296,77 @@ def test_selection_stages_compose_account_and_resume_exactly(tmp_path, tiny_acto
     run_train(resumed, tiny_cfg(tiny_actor_dir, **SELECT_ALL), resume=True)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]  # noqa: E731
     assert strip(read_metrics(resumed)) == strip(read_metrics(straight))
+
+
+def wandb_history(run: Path) -> dict[int, dict]:
+    """step -> the logged keys and values, read from the offline run files (W&B's own protobuf
+    records in its LevelDB-log format: 32 KiB blocks, 7-byte chunk headers, a 7-byte file header)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    def records(data: bytes):
+        assert data[:4] == b":W&B"
+        pos, pending = 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's trailer
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind == 1:
+                yield chunk
+            elif kind in (2, 3):
+                pending = (pending if kind == 3 else b"") + chunk
+            elif kind == 4:
+                yield pending + chunk
+
+    steps: dict[int, dict] = {}
+    files = {p.resolve() for p in (run / "wandb").glob("*/run-*.wandb")}
+    for f in sorted(files):
+        for raw in records(f.read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            if rec.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                steps.setdefault(items.pop("_step"), {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    return steps
+
+
+def test_tensorboard_and_wandb_hold_what_metrics_jsonl_holds_and_resume_appends(tmp_path, tiny_actor_dir, monkeypatch):
+    """--log-to tensorboard,wandb: TensorBoard's own reader and W&B's offline run files hold, per
+    iteration, the scalars of metrics.jsonl (nested fields by path, evals under eval/); a resumed
+    run continues the same TensorBoard run and W&B run id."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from agentrl.train.loggers import scalars
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "logged"
+    cfg = tiny_cfg(tiny_actor_dir, **{"train.log_to": "tensorboard,wandb", "train.iterations": 2, "train.eval_every": 1,
+                                      "train.eval_tasks": 2})
+    run_train(run, cfg)
+    run_id = (run / "wandb_run_id").read_text().strip()
+    run_train(run, tiny_cfg(tiny_actor_dir, **{"train.iterations": 3}), resume=True)
+    assert (run / "wandb_run_id").read_text().strip() == run_id
+
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows if r["kind"] == "iteration"] == [1, 2, 3]
+    want: dict[tuple[str, int], float] = {}
+    for r in rows:
+        for k, v in scalars(r).items():
+            want[(k, r["iteration"])] = v
+    assert ("eval/success", 0) in want and ("loss", 3) in want and ("eval/by_task_type/synthetic_choice/success", 2) in want
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    assert set(got) == set(want)
+    assert all(got[k] == pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in want.items())  # float32 in the events
+
+    history = wandb_history(run)
+    assert sorted(history) == [0, 1, 2, 3]  # the resumed part appended to the same run
+    for (k, step), v in want.items():
+        assert history[step][k] == pytest.approx(v, rel=1e-9, abs=1e-12)
+    assert {(k, s) for s, items in history.items() for k in items} == set(want)

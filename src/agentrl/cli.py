@@ -249,6 +249,8 @@ def train_cmd(
     lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (paper: 5e-5).")] = None,
     loss_agg: Annotated[Optional[str], typer.Option(help="seq-sum | token-mean | seq-mean-token-mean.")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="E: greedy held-out eval every E iterations.")] = None,
+    log_to: Annotated[Optional[str], typer.Option(help="Also log to tensorboard and/or wandb (comma-separated); "
+                                                         "metrics.jsonl is always written.")] = None,
     eval_tasks: Annotated[Optional[int], typer.Option(help="H: held-out tasks per eval.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Rollout sampling temperature.")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
@@ -281,7 +283,7 @@ def train_cmd(
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
         "train.advantage": advantage, "train.dapo_filter": dapo_filter, "select.stages": select,
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
-        "train.eval_every": eval_every, "train.eval_tasks": eval_tasks,
+        "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
         "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
     }

@@ -159,6 +159,7 @@ class TrainConfig:
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
     init_adapter: str | None = None  # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0
     keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
+    log_to: str | None = None  # also log to: tensorboard, wandb (comma-separated); metrics.jsonl always
     # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;
     # auto: split when the learner has its own CUDA device, else colocate
     layout: str = "auto"
@@ -307,6 +308,8 @@ class Config:
             (tc.max_bad_updates >= 1, f"train.max_bad_updates must be >= 1, got {tc.max_bad_updates}"),
             (tc.keep_adapters >= 1, f"train.keep_adapters must be >= 1, got {tc.keep_adapters}"),
             (tc.layout in ("auto", "colocate", "split"), f"train.layout must be auto, colocate or split, got {tc.layout!r}"),
+            (all(n.strip().lower() in ("tensorboard", "wandb", "none", "off", "") for n in (tc.log_to or "").split(",")),
+             f"train.log_to must list tensorboard and/or wandb, got {tc.log_to!r}"),
         ]:
             if not ok:
                 raise UserError(message)

@@ -117,10 +117,12 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
 
 
 class Metrics:
-    """RUN/metrics.jsonl: appended one fsynced line at a time; on resume cut back to the checkpoint."""
+    """RUN/metrics.jsonl: appended one fsynced line at a time; on resume cut back to the checkpoint.
+    The loggers of `train.log_to` (TensorBoard, W&B) get every row once it is on disk."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, log_to: str | None = None, cfg=None):
+        self.path, self.log_to, self.cfg = path, log_to, cfg
+        self.loggers = None  # opened by truncate_after, once the run's first iteration is known
 
     def append(self, *rows: dict) -> None:
         try:
@@ -131,6 +133,12 @@ class Metrics:
         except OSError as e:  # disk full: a torn line is cut at resume, the checkpoint is untouched
             raise RunError(f"cannot write {self.path}: {e.strerror or e}; the run keeps its last checkpoint: "
                            f"fix it, then `agentrl train --resume {self.path.parent}`") from None
+        if self.loggers is not None:
+            self.loggers.log(*rows)
+
+    def close(self) -> None:
+        if self.loggers is not None:
+            self.loggers.close()
 
     def truncate_after(self, iteration: int) -> None:
         """Keep the complete lines of iterations <= `iteration` (a torn or later line is dropped)."""
@@ -146,6 +154,11 @@ class Metrics:
                 if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration:
                     kept.append(line + "\n")
         atomic_write_text(self.path, "".join(kept))
+        if self.log_to and self.loggers is None:
+            from agentrl.train.loggers import Loggers
+
+            # from a checkpoint at `iteration` the loggers continue after it; else the run starts over
+            self.loggers = Loggers(self.log_to, self.path.parent, self.cfg, start_iteration=max(0, iteration + 1))
 
 
 # ---------------------------------------------------------------- eval
@@ -223,7 +236,11 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
 
         sampler = sampler or make_sampler(cfg, colocated=resolve_layout(cfg) == "colocate")
         learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
-        return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs)
+        metrics = Metrics(run / "metrics.jsonl", cfg.train.log_to, cfg)
+        try:
+            return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs, metrics)
+        finally:
+            metrics.close()
     except LearnerDied as e:
         raise LearnerDied(f"{e}; the run keeps its last complete iteration: continue with `agentrl train --resume {run}`") from None
     finally:
@@ -233,11 +250,11 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
             learner.close()
 
 
-def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs) -> dict:
+def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs,
+          metrics: Metrics) -> dict:
     from agentrl.select.selection import Selection
 
     selection = Selection(cfg, sampler)  # the --select stages, their state restored on resume
-    metrics = Metrics(run / "metrics.jsonl")
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None
     if resume:
