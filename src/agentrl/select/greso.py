@@ -90,6 +90,10 @@ class Greso:
         self.tasks_considered = 0
         self.group_tokens = 0.0  # mean step tokens of a group observed this iteration
 
+    def begin(self, iteration: int) -> None:
+        """A new iteration's accounting (every round of it, refills included, adds to it)."""
+        self._reset_stats()
+
     def skip_probability(self, game_id: str) -> float:
         z, kind = self.streaks.get(game_id, (0, "hard"))
         return 1.0 - max(self.p[kind] ** z, self.keep_floor) if z > 0 else 0.0  # PS 117, 142

@@ -76,8 +76,6 @@ class Selection:
         if pc is None:
             games = greso.choose(tasks.stream(), B) if greso else tasks.select(B)
             return roll(games, G, 0, self.step_stages)
-        if greso:
-            greso.choose([], 0)  # a new iteration's accounting; the pilots draw through its coin below
         candidates = iter(greso.passing(tasks.stream()) if greso else tasks.stream())
         groups, stats, committed, rounds = [], [], 0, 0
         pilot_at: dict[str, int] = {}  # game_id -> index in groups of this iteration's pilot group
