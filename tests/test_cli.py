@@ -209,6 +209,23 @@ def test_stage_totals_add_up_over_iterations(monkeypatch):
     assert "groups_filtered 1" in text
 
 
+def test_run_totals_say_how_much_advantage_the_gate_dropped(monkeypatch):
+    """With audited groups in the run, the totals give the advantage L2 in the loss vs in the
+    groups the gate would have cut (summed in squares over iterations) and the mean dropped share."""
+    from agentrl import cli
+
+    def it(kept, audited, share):
+        return {"stages": {"cut": {"decisions": {"groups_cut": 1}}},
+                "advantage_mass": {"kept_groups": 2, "kept_l2": kept, "audited_groups": 1, "audited_l2": audited,
+                                   "cut_groups": 1, "dropped_share_est": share}}
+
+    monkeypatch.setattr(cli.console, "width", 300)
+    with cli.console.capture() as out:
+        cli.print_stage_totals([it(3.0, 0.0, 0.0), it(4.0, 1.0, 0.2)])
+    assert ("advantage L2: 5.000 over 4 groups in the loss, 1.000 over 2 audited groups the gate would have cut; "
+            "est. share dropped by the gate per iteration 10.0% (mean)") in out.get()
+
+
 def test_doctor_says_which_vllm_and_torch_it_found_and_whether_the_sampler_supports_them(monkeypatch):
     import importlib.metadata
     import importlib.util

@@ -241,7 +241,10 @@ def train_cmd(
     max_steps: Annotated[Optional[int], typer.Option(help="T_max of training rollouts.")] = None,
     gate: Annotated[Optional[str], typer.Option(help="K,d_L (e.g. 10,0.12) or off.")] = None,
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
-    advantage: Annotated[Optional[str], typer.Option(help="grpo | dr_grpo | rloo.")] = None,
+    advantage: Annotated[Optional[str], typer.Option(help="grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO).")] = None,
+    gamma: Annotated[Optional[float], typer.Option(help="GiGPO: discount of the step-level returns (default 0.95).")] = None,
+    omega: Annotated[Optional[float], typer.Option(help="GiGPO: weight of the step-level advantage (default 1.0).")] = None,
+    invalid_action_reward: Annotated[Optional[float], typer.Option(help="Reward of a reply that maps to no admissible command (<= 0; default 0: off).")] = None,
     dapo_filter: Annotated[Optional[bool], typer.Option("--dapo-filter/--no-dapo-filter", help="Also drop uncut zero-variance groups.")] = None,
     select: Annotated[Optional[str], typer.Option("--select", help="Rollout-selection stages, e.g. greso,cut,dapo (default: cut when the gate is on).")] = None,
     gate_audit: Annotated[Optional[float], typer.Option(help="Share of the groups the gate would cut that run on anyway (out of the loss): live precision/recall.")] = None,
@@ -281,7 +284,8 @@ def train_cmd(
         "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.tasks": tasks, "rollout.group_size": group_size, "rollout.max_steps": max_steps,
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
-        "train.advantage": advantage, "train.dapo_filter": dapo_filter, "select.stages": select,
+        "train.advantage": advantage, "advantage.gamma": gamma, "advantage.omega": omega,
+        "reward.invalid_action": invalid_action_reward, "train.dapo_filter": dapo_filter, "select.stages": select,
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
@@ -303,7 +307,7 @@ def train_cmd(
     console.print(f"run {run} · model {cfg.model.name}"
                   f"{f' + {cfg.train.init_adapter}' if cfg.train.init_adapter else ''} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
                   f"B={cfg.rollout.tasks} G={cfg.rollout.group_size} T_max={cfg.rollout.max_steps or cfg.env.max_steps} · "
-                  f"{cfg.train.iterations} iterations · seed {cfg.seed}")
+                  f"advantage {describe_advantage(cfg)} · {cfg.train.iterations} iterations · seed {cfg.seed}")
     from agentrl.models import resolve_model
     from agentrl.train.loop import TaskSampler
 
@@ -410,6 +414,13 @@ def print_curve(metrics_file: Path) -> None:
     print_stage_totals([r for r in rows if r["kind"] == "iteration"])
 
 
+def describe_advantage(cfg) -> str:
+    a = cfg.train.advantage
+    if a == "gigpo":
+        a += f" (gamma {cfg.advantage.gamma}, omega {cfg.advantage.omega}{'' if cfg.advantage.std_norm else ', no std'})"
+    return a + (f" · invalid action {cfg.reward.invalid_action}" if cfg.reward.invalid_action else "")
+
+
 def print_stage_totals(rows: list[dict]) -> None:
     """Run totals: what was generated vs trained, and what each selection stage decided and kept out."""
     if not rows or "stages" not in rows[-1]:
@@ -419,6 +430,15 @@ def print_stage_totals(rows: list[dict]) -> None:
                   f"trained; step-tokens {total('step_tokens_generated')} generated, {total('step_tokens_trained')} trained, "
                   f"{total('step_tokens_excluded_by_stages')} kept out by stages, {total('step_tokens_zero_advantage')} "
                   f"with zero advantage")
+    mass = [r["advantage_mass"] for r in rows if r.get("advantage_mass")]
+    if any(m["audited_groups"] for m in mass):  # what the gate's cuts dropped, measured on the audited groups
+        kept = sum(m["kept_l2"] ** 2 for m in mass) ** 0.5
+        audited = sum(m["audited_l2"] ** 2 for m in mass) ** 0.5
+        n_aud, n_kept = sum(m["audited_groups"] for m in mass), sum(m["kept_groups"] for m in mass)
+        shares = [m["dropped_share_est"] for m in mass if m.get("dropped_share_est") is not None]
+        console.print(f"advantage L2: {kept:.3f} over {n_kept} groups in the loss, {audited:.3f} over {n_aud} audited "
+                      f"groups the gate would have cut; est. share dropped by the gate per iteration "
+                      f"{100 * sum(shares) / len(shares):.1f}% (mean)")
     table = Table(title="selection stages (run totals)")
     for col in ("stage", "decisions", "tokens decided on", "kept out of loss", "avoided (est.)"):
         table.add_column(col, justify="left" if col in ("stage", "decisions") else "right")

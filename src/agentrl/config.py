@@ -28,7 +28,7 @@ TASK_TYPES = (
 )
 SPLITS = ("train", "valid_seen", "valid_unseen")
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 
 
 @dataclass
@@ -149,7 +149,7 @@ class TrainConfig:
     """`agentrl train` (Tier 3): B = rollout.tasks, G = rollout.group_size, the gate = rollout.gate."""
 
     iterations: int = 60
-    advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo
+    advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo | gigpo (step-level credit; settings in `advantage`)
     dapo_filter: bool = False  # also drop uncut zero-variance groups from the loss
     eval_every: int = 10  # E; iteration 0 is always evaluated
     eval_tasks: int = 50  # H held-out tasks (disjoint from the training tasks)
@@ -163,6 +163,25 @@ class TrainConfig:
     # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;
     # auto: split when the learner has its own CUDA device, else colocate
     layout: str = "auto"
+
+
+@dataclass
+class AdvantageConfig:
+    """GiGPO's step-level credit (`--advantage gigpo`); defaults: verl-agent's ALFWorld recipe
+    (examples/gigpo_trainer/run_alfworld.sh: gamma 0.95, step_advantage_w 1.0, mode mean_std_norm)."""
+
+    gamma: float = 0.95  # discount of the step-level returns
+    omega: float = 1.0  # weight of the step-level advantage: A = A_E + omega * A_S
+    std_norm: bool = True  # divide by the group's std (mean_std_norm); false: mean only (mean_norm)
+
+
+@dataclass
+class RewardConfig:
+    """Step rewards beside the episode's outcome (1 for a win, else 0)."""
+
+    # reward of a step whose reply maps to no admissible command (0: off). verl-agent uses -0.1 against
+    # a win worth 10; with agentrl's win worth 1 the same ratio is -0.01
+    invalid_action: float = 0.0
 
 
 @dataclass
@@ -229,6 +248,8 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
 
     def validate(self) -> "Config":
@@ -300,6 +321,9 @@ class Config:
             (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
             (tc.iterations >= 0, f"train.iterations must be >= 0, got {tc.iterations}"),
             (tc.advantage in ADVANTAGES, f"train.advantage must be one of {', '.join(ADVANTAGES)}, got {tc.advantage!r}"),
+            (0 <= self.advantage.gamma <= 1, f"advantage.gamma must be in [0, 1], got {self.advantage.gamma}"),
+            (self.advantage.omega >= 0, f"advantage.omega must be >= 0, got {self.advantage.omega}"),
+            (self.reward.invalid_action <= 0, f"reward.invalid_action is a penalty: it must be <= 0, got {self.reward.invalid_action}"),
             (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
             (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
             (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),

@@ -119,3 +119,35 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
         "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
     }
+
+
+# An advantage is a number per trajectory (GRPO) or a list with one per reply (GiGPO).
+def is_zero(a) -> bool:
+    """No signal: a trajectory's advantage (a number, or one per step) is zero everywhere."""
+    return all(x == 0.0 for x in a) if isinstance(a, (list, tuple)) else a == 0.0
+
+
+def token_advantages(traj, a) -> list[float]:
+    """One advantage per token of `traj.token_ids`: 0 off the action mask; a per-step advantage
+    lands on exactly that step's reply tokens (the step_tokens[t] generated ids of step t)."""
+    if not isinstance(a, (list, tuple)):
+        return [float(a) if m else 0.0 for m in traj.action_mask]
+    if len(a) != len(traj.step_tokens) or sum(traj.step_tokens) != sum(traj.action_mask):
+        raise ValueError(f"{len(a)} step advantages for {len(traj.step_tokens)} replies "
+                         f"({sum(traj.step_tokens)} step tokens, {sum(traj.action_mask)} action tokens)")
+    per_token = iter(x for x, n in zip(a, traj.step_tokens) for _ in range(n))
+    return [next(per_token) if m else 0.0 for m in traj.action_mask]
+
+
+def trained_tokens(traj, a) -> int:
+    """Action tokens that carry a non-zero advantage (what the update spends its signal on)."""
+    if not isinstance(a, (list, tuple)):
+        return 0 if a == 0.0 else sum(traj.action_mask)
+    return sum(n for x, n in zip(a, traj.step_tokens) if x != 0.0)
+
+
+def zero_advantage_tokens(traj, a) -> int:
+    """Generated tokens (step_tokens) whose advantage is zero: generated, not trained."""
+    if not isinstance(a, (list, tuple)):
+        return sum(traj.step_tokens) if a == 0.0 else 0
+    return sum(n for x, n in zip(a, traj.step_tokens) if x == 0.0)

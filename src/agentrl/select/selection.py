@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from agentrl.rollout.lockstep import Rollout, RolloutStats
+from agentrl.rollout.trajectory import zero_advantage_tokens
 
 from agentrl.errors import UserError
 from agentrl.select import stage_names
@@ -144,8 +145,8 @@ class Selection:
             "step_tokens_generated": sum(g.step_tokens - g.carried_step_tokens for g in groups),
             "step_tokens_carried": sum(g.carried_step_tokens for g in groups),
             "step_tokens_excluded_by_stages": sum(st.step_tokens_excluded for st in stages.values()),
-            # in the batch with A = 0 (a zero-variance group no stage removed): generated, not trained
-            "step_tokens_zero_advantage": sum(sum(t.step_tokens) for t, a in batch if a == 0.0),
+            # in the batch with A = 0 (a zero-variance group no stage removed; GiGPO: steps with A = 0): generated, not trained
+            "step_tokens_zero_advantage": sum(zero_advantage_tokens(t, a) for t, a in batch),
             "step_tokens_avoided_est": sum(st.step_tokens_avoided for st in stages.values()),
         }
 

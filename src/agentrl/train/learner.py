@@ -17,6 +17,7 @@ import torch
 
 from agentrl import faults
 from agentrl.config import LearnerConfig
+from agentrl.rollout.trajectory import is_zero, token_advantages, trained_tokens
 from agentrl.train.loss import grpo_loss, token_logprobs
 
 
@@ -25,7 +26,7 @@ class UpdateStats:
     loss: float
     grad_l2_norm: float  # before clipping
     trajectories: int  # in the batch (A = 0 ones included)
-    step_tokens_trained: int  # action tokens that went through forward/backward (A != 0)
+    step_tokens_trained: int  # action tokens with A != 0 (a trajectory with none skips forward/backward)
     logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
     skipped: bool = False  # a non-finite loss or gradient: no optimizer step
     stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
@@ -76,28 +77,40 @@ class Learner:
         d = self.device
         return ids.to(d), attn.to(d), mask.to(d), sampler_logp.to(d)
 
-    def update(self, batch: list[tuple[object, float]]) -> UpdateStats:
-        """One optimizer step on [(trajectory, advantage), ...] (cut groups never get here)."""
+    def _advantages(self, part, width: int) -> torch.Tensor:
+        """[n] advantages (one per trajectory), or [n, width] per token when any is per step."""
+        if not any(isinstance(a, (list, tuple)) for _, a in part):
+            return torch.tensor([float(a) for _, a in part], device=self.device)
+        adv = torch.zeros((len(part), width))
+        for i, (t, a) in enumerate(part):
+            per_token = token_advantages(t, a)
+            adv[i, : len(per_token)] = torch.tensor(per_token)
+        return adv.to(self.device)
+
+    def update(self, batch: list[tuple[object, object]]) -> UpdateStats:
+        """One optimizer step on [(trajectory, advantage), ...] (cut groups never get here); an
+        advantage is a number (GRPO) or a list with one per reply (GiGPO)."""
         try:
             return self._update(batch)
         finally:
             if self.device.type == "cuda":  # hand the activations' memory back: a colocated vLLM re-allocates its KV cache next
                 torch.cuda.empty_cache()
 
-    def _update(self, batch: list[tuple[object, float]]) -> UpdateStats:
+    def _update(self, batch: list[tuple[object, object]]) -> UpdateStats:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
         # A = 0 contributes exactly zero to the loss and its gradient in every aggregation (it only
         # counts in N or the token total): no forward/backward for it. Zero-variance groups are all A = 0.
-        work = [(t, a) for t, a in batch if a != 0.0]
-        tokens_trained = sum(sum(t.action_mask) for t, _ in work)
+        # Per-step advantages (GiGPO): a trajectory whose steps are all A = 0 is skipped the same way.
+        work = [(t, a) for t, a in batch if not is_zero(a)]
+        tokens_trained = sum(trained_tokens(t, a) for t, a in work)
         loss_sum, gap_sum = 0.0, 0.0
         for start in range(0, len(work), self.cfg.micro_batch):
             part = work[start : start + self.cfg.micro_batch]
             ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
-            adv = torch.tensor([a for _, a in part], device=self.device)
+            adv = self._advantages(part, ids.shape[1])
             logp = token_logprobs(self.model, ids, attn)
             loss = grpo_loss(logp, mask, adv, self.cfg.loss_agg, n_total=n_total, tokens_total=tokens_total)
             loss.backward()

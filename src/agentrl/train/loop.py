@@ -5,7 +5,7 @@
                                                           # allocates), rollout: G per task in lockstep, the
                                                           # step stages (CUT gate, ARRoL) after env step K
         groups  = selection.keep(rollout, refill, B)      # filter: after-rollout stages (DAPO, with refill)
-        batch   = batch_advantages(groups)                # advantage: Eq. 1; cut and audited groups never enter
+        batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut and audited groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
         sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
@@ -42,10 +42,10 @@ from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_lockstep
-from agentrl.rollout.trajectory import behaviour_metrics
+from agentrl.rollout.trajectory import behaviour_metrics, is_zero
 from agentrl.sampling.base import SamplingParams
 from agentrl.train import checkpoint
-from agentrl.train.advantage import batch_advantages
+from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def iteration_seed(run_seed: int, iteration: int) -> int:
 
 
 # ---------------------------------------------------------------- metrics
-def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adapter_version: int, elapsed_s: float) -> dict:
+def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adapter_version: int, elapsed_s: float,
+                      advantage: Advantage | None = None) -> dict:
     groups = rollout.groups
     uncut = [g for g in groups if not g.cut]
     zero_var = [g for g in uncut if g.zero_variance]
@@ -99,12 +100,14 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "zero_variance_groups": len(zero_var),
         "zero_variance_all_fail": sum(g.rewards[0] == 0 for g in zero_var),
         "zero_variance_all_success": sum(g.rewards[0] > 0 for g in zero_var),
-        "zero_adv_fraction": float(np.mean([a == 0.0 for _, a in batch])) if batch else None,
+        "zero_adv_fraction": float(np.mean([is_zero(a) for _, a in batch])) if batch else None,
         "grad_l2_norm": stats.grad_l2_norm,
         "loss": stats.loss,
         "train_reward": float(np.mean(rewards)) if rewards else None,
         "step_tokens_trained": stats.step_tokens_trained,
-        "trajectories_trained": sum(a != 0.0 for _, a in batch),
+        "trajectories_trained": sum(not is_zero(a) for _, a in batch),
+        # the advantage in the loss vs in the groups the gate cut (audited ones ran on: known)
+        "advantage_mass": advantage_mass(groups, advantage or Advantage()),
         **{k: round(v, 4) for k, v in timings.items()},
         "elapsed_s": round(elapsed_s, 4),
         "adapter_version": adapter_version,
@@ -255,6 +258,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
     from agentrl.select.selection import Selection
 
     selection = Selection(cfg, sampler)  # the --select stages, their state restored on resume
+    advantage = Advantage.of(cfg)  # --advantage with advantage.* and reward.*
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None
     if resume:
@@ -292,7 +296,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         groups = selection.keep(rollout, lambda n: rollout_of(selection.refill_tasks(tasks, n)), cfg.rollout.tasks)  # filter
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
-        batch = batch_advantages(groups, cfg.train.advantage)                                     # advantage
+        batch = batch_advantages(groups, advantage)                                               # advantage
         hooks.phase("train")
         sampler.sleep()  # a colocated vLLM engine lends the GPU to the update; the swap wakes it
         stats = learner.update(batch)                                                             # learn
@@ -316,7 +320,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         timings = {"rollout_s": t1 - t0, "train_s": t2 - t1, "swap_s": t3 - t2, "eval_s": t4 - t3, "iteration_s": t4 - t0}
         selection.observe(rollout.groups)
         state.select = selection.state_dict()
-        row = iteration_metrics(it, rollout, batch, stats, timings, learner.version, state.elapsed_s)
+        row = iteration_metrics(it, rollout, batch, stats, timings, learner.version, state.elapsed_s, advantage)
         row |= selection.metrics(rollout.groups, batch)
         metrics.append(row, *([eval_row] if eval_row else []))
         faults.point("metrics")

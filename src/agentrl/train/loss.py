@@ -2,7 +2,7 @@
 
 `token_logprobs` runs one forward pass over the exact token ids a trajectory was sampled with
 and returns log p(token t | tokens < t) at every position. `grpo_loss` weights the log-probs
-of action tokens (action_mask == 1) by the trajectory's advantage; prompt and observation
+of action tokens (action_mask == 1) by the trajectory's (or the step's) advantage; prompt and observation
 tokens get exactly zero gradient.
 """
 
@@ -52,19 +52,24 @@ def grpo_loss(
 ) -> torch.Tensor:
     """Policy-gradient loss of a (micro-)batch.
 
-    seq-sum (paper):        -(1/N) sum_i A_i sum_{t in actions_i} logp_it
-    token-mean:             -(sum_i A_i sum_t m_it logp_it) / sum_i sum_t m_it
-    seq-mean-token-mean:    -(1/N) sum_i A_i (sum_t m_it logp_it) / sum_t m_it
+    `advantages`: [N] (one per trajectory: GRPO) or [N, T] (one per token: GiGPO's per-step
+    advantage on each step's reply tokens); A_it below, A_i broadcast over t for [N].
+    seq-sum (paper):        -(1/N) sum_i sum_{t in actions_i} A_it logp_it
+    token-mean:             -(sum_i sum_t m_it A_it logp_it) / sum_i sum_t m_it
+    seq-mean-token-mean:    -(1/N) sum_i (sum_t m_it A_it logp_it) / sum_t m_it
     For micro-batches pass the whole batch's N (`n_total`) and action-token count
     (`tokens_total`): the summed micro-batch gradients then equal the full batch's.
     """
     mask = action_mask.to(token_logp.dtype)
-    per_seq = (token_logp * mask).sum(dim=1)  # masked entries contribute exactly 0 (and 0 gradient)
     adv = advantages.to(token_logp.dtype)
+    if adv.dim() == 2:  # per token: weight before summing (masked entries contribute exactly 0, and 0 gradient)
+        weighted = (token_logp * mask * adv).sum(dim=1)
+    else:
+        weighted = adv * (token_logp * mask).sum(dim=1)
     if agg == "seq-sum":
-        return -(adv * per_seq).sum() / (n_total or token_logp.shape[0])
+        return -weighted.sum() / (n_total or token_logp.shape[0])
     if agg == "token-mean":
-        return -(adv * per_seq).sum() / max(1, tokens_total or int(mask.sum()))
+        return -weighted.sum() / max(1, tokens_total or int(mask.sum()))
     if agg == "seq-mean-token-mean":
-        return -(adv * per_seq / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
+        return -(weighted / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")

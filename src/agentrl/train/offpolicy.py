@@ -424,6 +424,8 @@ def run_offpolicy_ab(
         (len(buffer) >= 1, "the buffer has no usable groups"),
         (groups_per_step <= len(buffer),
          f"--groups-per-step {groups_per_step} exceeds the buffer's {len(buffer)} usable groups"),
+        (cfg.train.advantage != "gigpo", "Tier 2 trains sampled action positions of a frozen buffer, one advantage per "
+                                         "trajectory: --advantage gigpo is for on-policy `agentrl train`"),
     ]:
         if not ok:
             raise UserError(message)

@@ -15,7 +15,7 @@ waiting) instead of hanging; the run is resumable from its last checkpoint.
 from __future__ import annotations
 
 import multiprocessing as mp
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.errors import RunError, UserError
@@ -32,6 +32,7 @@ class TrainItem:
     token_ids: list[int]
     action_mask: list[int]
     logprobs: list[float]
+    step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
 
 
 def resolve_layout(cfg) -> str:
@@ -133,7 +134,8 @@ class RemoteLearner:
         return result
 
     def update(self, batch):
-        items = [((list(t.token_ids), list(t.action_mask), list(t.logprobs)), float(a)) for t, a in batch]
+        items = [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
+                  [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
         return self._call("update", items)
 
     def save_adapter(self, root: Path) -> Path:
