@@ -51,6 +51,30 @@ def test_known_answers(tmp_path):
     assert boot["safe_pct"]["ci95_low"] <= boot["safe_pct"]["estimate"] <= boot["safe_pct"]["ci95_high"]
 
 
+def test_gigpo_mass_kept_by_each_cut_comes_from_the_trajectories_beside_the_table(tmp_path):
+    """With trajectories.jsonl beside groups.csv the sweep also says how much of GiGPO's advantage
+    mass a cut keeps: t2 is all-success (no GRPO signal) but won in 1 and 2 steps, so under GiGPO
+    cutting it drops mass. Hand numbers (gamma 0.95): t2's step group s0 has returns 1 and 0.95,
+    A = +-0.7071, mass 1; t3, t4 (1 step each, one win): A_E = A_S = +-0.7071, mass 4 each; t1: 0."""
+    def record(task, reward, n_steps):
+        steps = [{"observation": f"{task} obs {k}", "valid": True} for k in range(n_steps)]
+        return {"task_id": task, "reward": reward, "initial_observation": "s0", "step_records": steps,
+                "step_tokens": [3] * n_steps}
+
+    recs = [record("t1", 0.0, 2), record("t1", 0.0, 2), record("t2", 1.0, 1), record("t2", 1.0, 2),
+            record("t3", 1.0, 1), record("t3", 0.0, 1), record("t4", 0.0, 1), record("t4", 1.0, 1)]
+    (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    a = analyze(write_table(tmp_path / "groups.csv"), tmp_path / "out", t_max=30)
+    at = {r["d_L"]: r for r in a.sweep}
+    assert at[0.1]["adv_l2_kept"] == pytest.approx(1.0)  # GRPO: the cut groups had nothing
+    assert at[0.1]["gigpo_l2_kept"] == pytest.approx((8 / 9) ** 0.5, abs=1e-4)  # GiGPO: t2's step signal is dropped
+    assert at[0.4]["gigpo_l2_kept"] == pytest.approx((4 / 9) ** 0.5, abs=1e-4)
+    assert at[0.02]["gigpo_l2_kept"] == pytest.approx(1.0)  # nothing cut
+    plain = analyze(write_table(tmp_path / "alone" / "groups.csv") if (tmp_path / "alone").mkdir() is None else None,
+                    tmp_path / "out2", t_max=30)
+    assert all(r["gigpo_l2_kept"] != r["gigpo_l2_kept"] for r in plain.sweep)  # no trajectories: NaN
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agentrl.config import SPLITS, TASK_TYPES
 from agentrl.env.data import discover_games
@@ -130,13 +131,14 @@ def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
 
 
 def test_train_on_real_games_then_report(tmp_path, default_model_dir, data_root):
-    """`agentrl train` on real ALFWorld games with the default model (one short iteration), then
-    `agentrl report` on the run: the real path of `make train`, end to end."""
+    """`agentrl train` on real ALFWorld games with the default model (one short iteration, GiGPO's
+    step-level advantages with the invalid-action reward), then `agentrl report` on the run: the
+    real path of `make train`, end to end."""
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "agentrl.cli", "train", "--config", "configs/default.yaml", "--iterations", "1",
          "--tasks", "1", "-G", "2", "--max-steps", "2", "--gate", "2,0.12", "--eval-tasks", "1",
-         "--max-new-tokens", "24", "--out", str(run)],
+         "--max-new-tokens", "24", "--advantage", "gigpo", "--invalid-action-reward", "-0.01", "--out", str(run)],
         capture_output=True, text=True, timeout=900, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
@@ -144,6 +146,9 @@ def test_train_on_real_games_then_report(tmp_path, default_model_dir, data_root)
     assert [(r["kind"], r["iteration"]) for r in rows] == [("eval", 0), ("iteration", 1), ("eval", 1)]
     it = rows[1]
     assert it["groups"] == 1 and it["step_tokens_generated"] > 0 and it["rollout_s"] > 0
+    assert it["advantage_mass"]["kept_groups"] + it["advantage_mass"]["cut_groups"] == 1
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["advantage"] == "gigpo" and saved["reward"]["invalid_action"] == -0.01
     assert (run / "checkpoints" / "latest").read_text().strip() == "it00001"
     proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "report", str(run)], capture_output=True, text=True,
                           timeout=300, cwd=REPO)

@@ -43,6 +43,8 @@ def _workers_value(value: str | None) -> int | str | None:
 
 EnvWorkersOpt = Annotated[Optional[str], typer.Option(
     callback=_workers_value, help="Env worker processes: auto (one per core, the default) | N | 0 (envs in the main process).")]
+RayAddressOpt = Annotated[Optional[str], typer.Option(
+    help="Run on Ray: local (start Ray here) | auto (join this machine's cluster) | HOST:PORT; env workers become actors.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 
@@ -81,6 +83,7 @@ def eval_cmd(
     config: ConfigOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/eval-<split>-<time>).")] = None,
     env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
@@ -90,7 +93,7 @@ def eval_cmd(
         "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
         "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
         "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
-        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers,
+        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers, "cluster.ray_address": ray_address,
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.eval.max_steps or cfg.env.max_steps
@@ -148,6 +151,7 @@ def rollout_cmd(
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
     env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
@@ -168,7 +172,7 @@ def rollout_cmd(
         "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
-        "env.workers": env_workers,
+        "env.workers": env_workers, "cluster.ray_address": ray_address,
     })
     the_gate = cfg.rollout.parsed_gate()
     if tier1_ab and the_gate is None:
@@ -263,6 +267,7 @@ def train_cmd(
     data: DataOpt = None,
     config: ConfigOpt = None,
     env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
@@ -288,16 +293,16 @@ def train_cmd(
         "reward.invalid_action": invalid_action_reward, "train.dapo_filter": dapo_filter, "select.stages": select,
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
-        "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers,
+        "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers, "cluster.ray_address": ray_address,
         "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
-        may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers")
+        may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers", "cluster.ray_address")
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
-            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations and the devices "
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers and --ray-address "
                             f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
         run = resume
         cfg = prepare_run(resume, None, resume=True, force=False, overrides={k: overrides[k] for k in may_change})
@@ -352,13 +357,14 @@ def sft_cmd(
     data: DataOpt = None,
     config: ConfigOpt = None,
     env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
     from agentrl.train.sft import SftHooks, check_out_dir, reusable, run_sft, select_games
 
     cfg = load_config(config, {
         "seed": seed, "data.root": data, "model.name": model, "sft.games": games, "sft.epochs": epochs, "sft.lr": lr,
-        "sft.heldout_games": heldout_games, "env.workers": env_workers,
+        "sft.heldout_games": heldout_games, "env.workers": env_workers, "cluster.ray_address": ray_address,
     })
     if reuse and (record := reusable(cfg, out)):
         console.print(f"{out} already holds this warm start ({record['sft']['examples']} walkthroughs, "
@@ -548,7 +554,8 @@ def analyze_cmd(
         o = a.operating
         console.print(f"operating point (precision >= {precision_floor:g}): K={o['K']}, d_L={o['d_L']:g}: cut {o['cut']}/{o['N']}, "
                       f"precision {o['precision']:.2f}, recall {o['recall']:.2f}, safe saving {o['safe_pct']:.1f}% "
-                      f"(raw {o['raw_pct']:.1f}%), advantage norm kept {o['adv_l2_kept']:.3f}")
+                      f"(raw {o['raw_pct']:.1f}%), advantage norm kept {o['adv_l2_kept']:.3f}"
+                      + (f" (GiGPO's: {o['gigpo_l2_kept']:.3f})" if o["gigpo_l2_kept"] == o["gigpo_l2_kept"] else ""))
     else:
         console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
     console.print(f"wrote correlation.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "

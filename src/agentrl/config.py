@@ -82,6 +82,7 @@ class SamplingConfig:
     gpu_memory_utilization: float | str = "auto"
     max_model_len: int | None = None  # vllm: longest prompt + completion in tokens (None: the model's own limit)
     max_loras: int = 2  # vllm: LoRA adapters resident at once (the current version and the one being swapped in)
+    replicas: int = 1  # samplers, each a Ray actor on its own GPU (CPU without one); > 1 needs --ray-address
 
 
 @dataclass
@@ -236,6 +237,14 @@ class SelectConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Ray (`--ray-address`): env workers, sampler replicas and the learner as actors. None: this
+    machine, plain processes, no Ray import."""
+
+    ray_address: str | None = None  # local (start Ray here) | auto (join this machine's cluster) | HOST:PORT
+
+
+@dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -251,6 +260,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
         checks = [
@@ -279,6 +289,11 @@ class Config:
             (self.env.workers == "auto" or (isinstance(self.env.workers, int) and self.env.workers >= 0),
              f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {self.env.workers!r}"),
             (self.env.overlap in ("auto", True, False), f"env.overlap must be auto, true or false, got {self.env.overlap!r}"),
+            (self.cluster.ray_address is None or _ray_address_ok(self.cluster.ray_address),
+             f"cluster.ray_address must be local, auto or HOST:PORT (e.g. 10.0.0.1:6379), got {self.cluster.ray_address!r}"),
+            (self.sampling.replicas >= 1, f"sampling.replicas must be >= 1, got {self.sampling.replicas}"),
+            (self.sampling.replicas == 1 or self.cluster.ray_address is not None,
+             f"sampling.replicas {self.sampling.replicas} needs a Ray cluster (--ray-address local|auto|HOST:PORT)"),
             (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
             (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
@@ -353,6 +368,15 @@ def check_task_type(name: str) -> str:
         extra = f" (did you mean {hint[0]!r}?)" if hint else f"; choose from {', '.join(TASK_TYPES)}"
         raise UserError(f"unknown task type {name!r}{extra}")
     return name
+
+
+def _ray_address_ok(address: str) -> bool:
+    from agentrl.specs import check_ray_address
+
+    try:
+        return bool(check_ray_address(address))
+    except UserError:
+        return False
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -119,3 +119,13 @@ def check_select(cfg) -> None:
         for ok, message in per_stage.get(name, []):
             if not ok:
                 raise UserError(message)
+
+
+HOST_PORT = re.compile(r"^(?:ray://)?(?P<host>[^:/\s]+):(?P<port>\d{1,5})$")
+
+
+def check_ray_address(address: str) -> str:
+    """`--ray-address` as given (local | auto | HOST:PORT), or a one-line UserError."""
+    if address in ("local", "auto") or HOST_PORT.match(address):
+        return address
+    raise UserError(f"--ray-address must be local, auto or HOST:PORT (e.g. 10.0.0.1:6379), got {address!r}")

@@ -22,7 +22,8 @@ from agentrl.train.advantage import group_advantages
 
 REQUIRED = ("task_id", "task_type", "K", *SIGNALS, "rewards")
 D_L_GRID = tuple(round(x, 2) for x in np.arange(0.02, 0.601, 0.02))
-SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct", "adv_l2_kept"]
+SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct", "adv_l2_kept",
+                 "gigpo_l2_kept"]
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Table:
     rewards: list[np.ndarray]
     task_id: list[str]
     task_type: list[str]
+    gigpo_sq: np.ndarray | None = None  # [N] the group's GiGPO advantage mass (trajectories.jsonl beside the table)
 
     @property
     def variance(self) -> np.ndarray:
@@ -45,7 +47,8 @@ class Table:
         m = self.K == K
         idx = np.flatnonzero(m)
         return Table(self.K[m], {k: v[m] for k, v in self.signals.items()}, [self.rewards[i] for i in idx],
-                     [self.task_id[i] for i in idx], [self.task_type[i] for i in idx])
+                     [self.task_id[i] for i in idx], [self.task_type[i] for i in idx],
+                     None if self.gigpo_sq is None else self.gigpo_sq[m])
 
 
 def read_groups(path: Path) -> Table:
@@ -74,6 +77,33 @@ def read_groups(path: Path) -> Table:
     if not K:
         raise UserError(f"{path}: no rows")
     return Table(np.array(K), {s: np.array(v) for s, v in sig.items()}, rewards, ids, types)
+
+
+def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
+    """Per row of the table, the group's GiGPO advantage mass (the sum over its trajectories'
+    steps of A(i, t)^2, `--advantage gigpo`'s defaults), from the trajectories.jsonl that
+    `agentrl rollout` writes beside groups.csv; None when there is none."""
+    import json
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from agentrl.train.advantage import Advantage
+
+    if not path.is_file():
+        return None
+    by_task: dict[str, list] = defaultdict(list)
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            r = json.loads(line)
+            steps = [SimpleNamespace(observation=s["observation"], valid=s["valid"]) for s in r["step_records"]]
+            by_task[r["task_id"]].append(SimpleNamespace(reward=float(r["reward"]), initial_observation=r["initial_observation"],
+                                                         steps=steps, step_tokens=r["step_tokens"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}:{n}: not a trajectory record ({e.__class__.__name__}: {e})") from None
+    fn = Advantage("gigpo")
+    mass = {task: sum(x * x for a in fn.of_group(SimpleNamespace(trajectories=trajs)) for x in a)
+            for task, trajs in by_task.items()}
+    return np.array([mass.get(task, np.nan) for task in t.task_id])
 
 
 def auroc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -108,12 +138,16 @@ def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict
     a_kept = np.concatenate([group_advantages(r) for r, c in zip(sub.rewards, cut) if not c] or [np.zeros(0)])
     full = np.linalg.norm(a_full)
     saved = max(t_max - K, 0) / (n * t_max) * 100
+    g = sub.gigpo_sq
+    g_all = float(np.nansum(g)) if g is not None else 0.0
     return {
         "K": K, "d_L": d_L, "N": n, "cut": int(cut.sum()), "TP": tp, "FP": fp,
         "precision": tp / cut.sum() if cut.sum() else float("nan"),
         "recall": tp / zero.sum() if zero.sum() else float("nan"),
         "safe_pct": tp * saved, "raw_pct": int(cut.sum()) * saved,
         "adv_l2_kept": float(np.linalg.norm(a_kept) / full) if full > 0 else float("nan"),
+        # the same under GiGPO's step-level advantages: a converged all-success group may carry some
+        "gigpo_l2_kept": float(np.sqrt(np.nansum(g[~cut]) / g_all)) if g_all > 0 else float("nan"),
     }
 
 
@@ -264,6 +298,7 @@ class Analysis:
 def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,
             d_L: float | None = None, figure_K: int = 10) -> Analysis:
     t = read_groups(groups_csv)
+    t.gigpo_sq = read_gigpo_mass(groups_csv.parent / "trajectories.jsonl", t)
     if t_max < 1 or (t.K > t_max).any():
         raise UserError(f"--t-max {t_max} is below the table's largest K ({int(t.K.max())})")
     corr = correlation(t)

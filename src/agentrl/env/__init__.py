@@ -25,7 +25,21 @@ def env_workers(workers: int | str, kind: str = "alfworld") -> int:
 
 
 def open_envs(cfg):
-    """An EnvPool of `env.workers` processes, or None (envs in this process). Shut it down when done."""
+    """An EnvPool of `env.workers` processes, or None (envs in this process). Shut it down when done.
+    With `cluster.ray_address`: the cluster is started or joined here, and the envs live in Ray
+    actors (`env.workers auto` = the cluster's CPUs minus what sampler replicas and the learner reserve)."""
+    if cfg.cluster.ray_address:
+        from agentrl import cluster
+        from agentrl.env.pool import available_cores
+
+        # a local instance offers this machine's cores, and a slot for every actor of the run besides one env actor
+        cluster.connect(cfg.cluster.ray_address, local_cpus=max(available_cores(), cluster.reserved_cpus(cfg) + 1))
+        workers = cluster.env_actors(cfg)
+        if workers <= 0:
+            return None
+        from agentrl.env.ray_pool import RayEnvPool
+
+        return RayEnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, env_overlap(cfg))
     workers = env_workers(cfg.env.workers, cfg.env.kind)
     if workers <= 0:
         return None

@@ -37,6 +37,7 @@ class Pending:
     out: list
     shares: dict[int, list[int]] = field(default_factory=dict)  # worker -> positions in the batch
     waiting: set[int] = field(default_factory=set)  # workers whose answer is not read yet
+    refs: dict = field(default_factory=dict)  # Ray actors: worker -> (its generation, the answer's ObjectRef)
 
 
 def _worker(conn, kind: str) -> None:
@@ -55,23 +56,28 @@ def _worker(conn, kind: str) -> None:
                 env.close()
             conn.send([])
             return
-        out = []
-        for handle, arg in batch:
-            try:
-                if op == "reset":
-                    envs[handle] = make_env(arg)
-                    out.append(envs[handle].reset())
-                elif op == "step":
-                    out.append(envs[handle].step(arg))
-                elif op == "release":
-                    env = envs.pop(handle, None)
-                    if env is not None:
-                        env.close()
-                    out.append(None)
-            except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
-                envs.pop(handle, None)
-                out.append(EnvFailure(str(e) if isinstance(e, GameLoadError) else f"{e.__class__.__name__}: {e}"))
-        conn.send(out)
+        conn.send(apply_batch(envs, make_env, op, batch))
+
+
+def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
+    """One request of a worker (a process here, a Ray actor in ray_pool.py) on the envs it holds."""
+    out = []
+    for handle, arg in batch:
+        try:
+            if op == "reset":
+                envs[handle] = make_env(arg)
+                out.append(envs[handle].reset())
+            elif op == "step":
+                out.append(envs[handle].step(arg))
+            elif op == "release":
+                env = envs.pop(handle, None)
+                if env is not None:
+                    env.close()
+                out.append(None)
+        except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
+            envs.pop(handle, None)
+            out.append(EnvFailure(str(e) if isinstance(e, GameLoadError) else f"{e.__class__.__name__}: {e}"))
+    return out
 
 
 class _Batches:

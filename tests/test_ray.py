@@ -1,0 +1,174 @@
+"""agentrl on a Ray cluster (`--ray-address`), on this machine's local Ray: env workers as actors
+behind the env pool's submit/collect/release, their failures, a two-node cluster simulated
+here (`ray.cluster_utils.Cluster`), and bad addresses. Real games, the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is the optional extra agentrl[ray] (the dev set-up installs it)")
+
+from agentrl.rollout import ModelPolicy, WalkthroughPolicy, run_lockstep  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from agentrl import cluster
+
+    cluster.connect("local", local_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def trace(rollout) -> list:
+    """Everything a rollout produced, per trajectory: actions, commands, observations, rewards, tokens."""
+    return [(t.game.game_id, t.index, t.stop_reason, t.reward, t.initial_observation, t.token_ids, t.action_mask,
+             [(s.action, s.command, s.observation, s.won, s.done) for s in t.steps]) for t in rollout.trajectories]
+
+
+def model_rollout(games, tiny_model, tokenizer, envs=None, on_step=None):
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.hf import HFSampler
+
+    policy = ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 8), seed=11)
+    return run_lockstep(games, policy, max_steps=3, fuzzy_threshold=0, group_size=2, envs=envs, on_step=on_step)
+
+
+def test_a_rollout_through_ray_actors_equals_the_in_process_one(local_ray, games, tiny_model, tokenizer):
+    from agentrl.env.ray_pool import RayEnvPool
+
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"], games["pick_clean_then_place_in_recep"]]
+    here = model_rollout(chosen, tiny_model, tokenizer)
+    with RayEnvPool(2, "alfworld") as pool:
+        there = model_rollout(chosen, tiny_model, tokenizer, envs=pool)
+        assert pool.replaced == 0
+    assert trace(there) == trace(here)
+    assert all(len(t.steps) == 3 for t in there.trajectories)
+
+
+def test_walkthroughs_through_ray_actors_win_every_game(local_ray, data_root):
+    from agentrl.env import find_games
+    from agentrl.env.ray_pool import RayEnvPool
+
+    sample = find_games("alfworld", "valid_seen", data_root, limit=8)
+    with RayEnvPool(3, "alfworld") as pool:
+        pool.ready()
+        rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=50, envs=pool)
+        assert len({pid for _, pid in pool.placement()}) == 3  # three actors, three processes
+    assert [t.won for t in rollout.trajectories] == [True] * len(sample)
+
+
+def test_a_killed_env_actor_ends_only_its_trajectories_and_nothing_is_left_behind(local_ray, games, tiny_model, tokenizer):
+    from agentrl.env.ray_pool import RayEnvPool
+
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
+    pool = RayEnvPool(2, "alfworld")
+    victim = pool.actors[0]
+    pids = [pid for _, pid in pool.placement()]
+
+    def kill_after_first_step(step, trajs):
+        if step == 1 and pool.actors[0] is victim:
+            ray.kill(victim, no_restart=True)
+
+    rollout = model_rollout(chosen, tiny_model, tokenizer, envs=pool, on_step=kill_after_first_step)
+    first, second = rollout.groups  # games go round-robin: the first game's envs were on actor 0
+    assert [t.stop_reason for t in first.trajectories] == ["env_error"] * 2
+    assert all("env actor died" in t.error for t in first.trajectories)
+    assert [len(t.steps) for t in second.trajectories] == [3, 3] and pool.replaced == 1
+    pids.append(pool.placement()[0][1])  # the replacement
+    pool.shutdown()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "an env actor's process outlived the pool"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not reaped yet) is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_hung_env_actor_times_out_and_is_replaced(local_ray, games):
+    from agentrl.env.ray_pool import RayEnvPool
+
+    pool = RayEnvPool(1, "alfworld", timeout_s=120.0)
+    try:
+        game = games["pick_and_place_simple"]
+        assert pool.collect(pool.submit("reset", [(0, game)]))[0].observation
+        pool.timeout_s = 2.0
+        (fine,) = pool.collect(pool.submit("step", [(0, "look")]))
+        assert fine.observation  # the actor answers ...
+        hang = pool.actors[0].__ray_call__.remote(lambda self: time.sleep(30))  # ... until it hangs
+        (late,) = pool.collect(pool.submit("step", [(0, "look")]))
+        assert "did not answer within 2s" in late.message and pool.replaced == 1
+        pool.timeout_s = 120.0
+        (fresh,) = pool.collect(pool.submit("reset", [(1, game)]))  # the replacement serves new envs
+        assert fresh.observation
+        del hang
+    finally:
+        pool.shutdown()
+
+
+def test_env_actors_are_placed_on_both_nodes_of_a_two_node_cluster(data_root):
+    """`ray.cluster_utils.Cluster` simulates two nodes on this machine: SPREAD places the env
+    actors on both; the walkthroughs still win every game."""
+    from ray.cluster_utils import Cluster
+
+    from agentrl.env import find_games
+    from agentrl.env.ray_pool import RayEnvPool
+
+    if ray.is_initialized():
+        ray.shutdown()
+    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    two.add_node(num_cpus=2)
+    try:
+        ray.init(address=two.address, log_to_driver=False)
+        sample = find_games("alfworld", "valid_seen", data_root, limit=4)
+        with RayEnvPool(2, "alfworld") as pool:
+            nodes = {node for node, _ in pool.placement()}
+            rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=50, envs=pool)
+        assert len(nodes) == 2
+        assert all(t.won for t in rollout.trajectories)
+    finally:
+        ray.shutdown()
+        two.shutdown()
+
+
+def agentrl(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def test_eval_with_ray_address_local_wins_the_walkthroughs(tmp_path):
+    proc = agentrl("eval", "--policy", "walkthrough", "--split", "valid_seen", "--limit", "3", "--ray-address", "local",
+                   "--env-workers", "2", "--out", str(tmp_path / "ev"))
+    assert proc.returncode == 0, proc.stderr
+    overall = json.loads((tmp_path / "ev" / "summary.json").read_text())["overall"]
+    assert overall["won"] == overall["episodes"] == 3
+
+
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "no Ray cluster at 127.0.0.1:1"),
+    ("not an address", "ray_address must be local, auto or HOST:PORT"),
+])
+def test_a_bad_ray_address_is_one_line_and_exit_2_before_anything_is_written(tmp_path, address, message):
+    out = tmp_path / "ev"
+    proc = agentrl("eval", "--policy", "walkthrough", "--split", "valid_seen", "--limit", "1", "--ray-address", address,
+                   "--out", str(out), timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
