@@ -45,3 +45,15 @@ def test_lower_layers_never_import_higher_ones():
     assert not graph["select"] & {"train", "cli", "collect"}
     assert not graph["env"] & {"rollout", "select", "train", "sampling", "cli"}
     assert "cli" not in {u for v in graph.values() for u in v}  # nothing imports the CLI
+
+
+def test_one_machine_never_imports_ray():
+    """Ray is imported only for --ray-address: the CLI, the loop, envs and samplers load without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, agentrl.cli, agentrl.train.loop, agentrl.env, agentrl.sampling, agentrl.evaluate, agentrl.cluster; "
+            "from agentrl.config import load_config; load_config(None, {'cluster.ray_address': 'local'}); "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

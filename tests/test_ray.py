@@ -172,3 +172,109 @@ def test_a_bad_ray_address_is_one_line_and_exit_2_before_anything_is_written(tmp
                    "--out", str(out), timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray, tiny_actor_dir):
+    """Each row carries its own seed, so splitting a step's batch over two replicas (a task stays on
+    one) changes nothing: same tokens, same log-probs (to float precision), same actions. The
+    reference runs with one torch thread, as each replica actor does (Ray gives it one CPU)."""
+    import torch
+
+    from agentrl.config import load_config
+    from agentrl.env import find_games
+    from agentrl.env.synthetic import synthetic_messages
+    from agentrl.sampling import make_sampler
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.replicas import ReplicatedSampler
+
+    base = {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "cluster.ray_address": "local"}
+    games = find_games("synthetic", "train", limit=4)
+    params = SamplingParams(1.0, 1.0, 12)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = run_lockstep(games, ModelPolicy(make_sampler(load_config(None, base)), params, seed=4, messages=synthetic_messages), max_steps=2,
+                           fuzzy_threshold=0, group_size=3, make_env=_synthetic)
+    finally:
+        torch.set_num_threads(threads)
+    replicated = ReplicatedSampler(load_config(None, base | {"sampling.replicas": 2}))
+    try:
+        assert len({pid for _, pid in replicated.placement}) == 2
+        two = run_lockstep(games, ModelPolicy(replicated, params, seed=4, messages=synthetic_messages), max_steps=2, fuzzy_threshold=0, group_size=3,
+                           make_env=_synthetic)
+        assert set(replicated._replica_of.values()) == {0, 1}  # both replicas served tasks
+    finally:
+        replicated.close()
+    assert [(t.token_ids, t.stop_reason) for t in two.trajectories] == [(t.token_ids, t.stop_reason) for t in one.trajectories]
+    for a, b in zip(two.trajectories, one.trajectories):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def _synthetic(game):
+    from agentrl.env.synthetic import SyntheticEnv
+
+    return SyntheticEnv(game)
+
+
+def test_a_swap_reaches_every_replica_and_each_reports_the_version(local_ray, tiny_actor_dir, tmp_path):
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from agentrl.config import load_config
+    from agentrl.models import load_model
+    from agentrl.sampling.replicas import ReplicatedSampler
+
+    model = load_model(str(tiny_actor_dir), "float32", "cpu")[0]
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "v3")
+    replicated = ReplicatedSampler(load_config(None, {"model.name": str(tiny_actor_dir), "cluster.ray_address": "local",
+                                                      "sampling.replicas": 2}))
+    try:
+        replicated.load_adapter(str(tmp_path / "v3"), 3)
+        assert replicated.served_versions() == [3, 3] and replicated.adapter_version == 3
+    finally:
+        replicated.close()
+
+
+def test_train_over_ray_then_resume_equals_an_uninterrupted_run(local_ray, tmp_path, tiny_actor_dir, monkeypatch):
+    """`agentrl train` over Ray: the learner is an actor (adapters and checkpoint states come back
+    through the object store), the envs are actors; 2 iterations + resume to 3 equal 3 straight.
+    The sampler in the driver is tests/scripted.py's (reward variance by construction)."""
+    import agentrl.sampling as sampling
+    from scripted import ScriptedSampler
+    from test_train_loop import read_metrics, run_train, tiny_cfg
+
+    from agentrl.train.ray_learner import RayLearner
+
+    real = sampling.make_sampler
+    monkeypatch.setattr(sampling, "make_sampler", lambda cfg, *a, **k: ScriptedSampler(real(cfg, *a, **k)))
+    made = []
+    monkeypatch.setattr(RayLearner, "__init__", _recording(RayLearner.__init__, made))
+    ray_run = {"cluster.ray_address": "local", "env.workers": 2, "train.eval_tasks": 2}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(straight, tiny_cfg(tiny_actor_dir, **ray_run))
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **ray_run | {"train.iterations": 2}))
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **ray_run), resume=True)
+    assert len(made) == 3 and all(pid != os.getpid() for pid in made)  # the learner was an actor every time
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["adapter_version"] for r in a if r["kind"] == "iteration"] == [1, 2, 3]
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]  # noqa: E731
+    assert strip(b) == strip(a)
+    assert sorted(p.name for p in (resumed / "adapters").glob("v*")) == ["v2", "v3"]
+
+
+def _recording(init, made):
+    def wrapped(self, cfg):
+        init(self, cfg)
+        made.append(self.pid)
+    return wrapped
+
+
+def test_replicas_above_the_clusters_gpus_are_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    proc = agentrl("train", "--config", "configs/synthetic.yaml", "--ray-address", "local", "--sampler-replicas", "2",
+                   "--sampler-device", "cuda", "--out", str(out), timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "sampling.replicas 2 needs 2 GPUs (one per replica); the cluster has 0" in proc.stderr
+    assert not out.exists()

@@ -45,6 +45,7 @@ EnvWorkersOpt = Annotated[Optional[str], typer.Option(
     callback=_workers_value, help="Env worker processes: auto (one per core, the default) | N | 0 (envs in the main process).")]
 RayAddressOpt = Annotated[Optional[str], typer.Option(
     help="Run on Ray: local (start Ray here) | auto (join this machine's cluster) | HOST:PORT; env workers become actors.")]
+SamplerReplicasOpt = Annotated[Optional[int], typer.Option(help="Samplers, each a Ray actor on its own GPU (needs --ray-address).")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 
@@ -84,6 +85,7 @@ def eval_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/eval-<split>-<time>).")] = None,
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
@@ -94,6 +96,7 @@ def eval_cmd(
         "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
         "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
         "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers, "cluster.ray_address": ray_address,
+        "sampling.replicas": sampler_replicas,
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.eval.max_steps or cfg.env.max_steps
@@ -152,6 +155,7 @@ def rollout_cmd(
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
@@ -172,7 +176,7 @@ def rollout_cmd(
         "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
-        "env.workers": env_workers, "cluster.ray_address": ray_address,
+        "env.workers": env_workers, "cluster.ray_address": ray_address, "sampling.replicas": sampler_replicas,
     })
     the_gate = cfg.rollout.parsed_gate()
     if tier1_ab and the_gate is None:
@@ -268,6 +272,7 @@ def train_cmd(
     config: ConfigOpt = None,
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
@@ -294,12 +299,13 @@ def train_cmd(
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers, "cluster.ray_address": ray_address,
-        "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
+        "sampling.replicas": sampler_replicas, "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
-        may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers", "cluster.ray_address")
+        may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers", "cluster.ray_address",
+                      "sampling.replicas")
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
             raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers and --ray-address "
@@ -322,6 +328,12 @@ def train_cmd(
 
         check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
     tasks = TaskSampler(cfg)
+    if cfg.cluster.ray_address:  # no cluster there, or too few GPUs for the replicas: refused before the run is written
+        from agentrl import cluster
+        from agentrl.sampling.replicas import check_replicas
+
+        cluster.connect_for(cfg)
+        check_replicas(cfg)
     with progress_bar() as bar:
         task = bar.add_task("loading models and games", total=None, info="")
 

@@ -41,6 +41,22 @@ def connect(address: str, local_cpus: int | None = None) -> None:
         raise UserError(f"no Ray cluster at {address}: {first}") from None
 
 
+def connect_for(cfg) -> None:
+    """Connect for a run: a local instance offers this machine's cores, and at least a slot for
+    every actor the run holds besides one env actor."""
+    connect(cfg.cluster.ray_address, local_cpus=max(available_cores(), reserved_cpus(cfg) + 1))
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def resources() -> dict[str, float]:
     import ray
 

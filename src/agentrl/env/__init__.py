@@ -30,10 +30,8 @@ def open_envs(cfg):
     actors (`env.workers auto` = the cluster's CPUs minus what sampler replicas and the learner reserve)."""
     if cfg.cluster.ray_address:
         from agentrl import cluster
-        from agentrl.env.pool import available_cores
 
-        # a local instance offers this machine's cores, and a slot for every actor of the run besides one env actor
-        cluster.connect(cfg.cluster.ray_address, local_cpus=max(available_cores(), cluster.reserved_cpus(cfg) + 1))
+        cluster.connect_for(cfg)
         workers = cluster.env_actors(cfg)
         if workers <= 0:
             return None

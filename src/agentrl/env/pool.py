@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from agentrl.cluster import available_cores  # noqa: F401 (where env_workers reads it)
 from agentrl.env.alfworld import GameLoadError, StepResult
 from agentrl.env.data import Game
 
@@ -135,14 +136,6 @@ class LocalEnvs(_Batches):
 
     def shutdown(self) -> None:
         self.release(list(self._envs))
-
-
-def available_cores() -> int:
-    """Cores this process may run on (the affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class EnvPool(_Batches):

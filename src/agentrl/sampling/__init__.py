@@ -11,6 +11,10 @@ def make_sampler(cfg, model=None, tokenizer=None, colocated: bool = False) -> Sa
     `colocated`: a learner shares the sampler's GPU (train's colocate layout)."""
     from agentrl.errors import UserError
 
+    if cfg.sampling.replicas > 1:  # N samplers as Ray actors (sampling/replicas.py)
+        from agentrl.sampling.replicas import ReplicatedSampler
+
+        return ReplicatedSampler(cfg, colocated=colocated)
     if cfg.sampling.backend == "hf":
         from agentrl.sampling.hf import HFSampler
 

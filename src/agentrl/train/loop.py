@@ -232,7 +232,7 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
 
     hooks = hooks or Hooks()
     tasks = tasks or TaskSampler(cfg)
-    owned = learner is None
+    owned, owned_sampler = learner is None, sampler is None
     envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
     try:
         from agentrl.train.remote import resolve_layout
@@ -251,6 +251,8 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
             envs.shutdown()
         if owned and learner is not None and hasattr(learner, "close"):
             learner.close()
+        if owned_sampler and sampler is not None and hasattr(sampler, "close"):
+            sampler.close()  # sampler replicas (Ray actors) hold their GPUs until then
 
 
 def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs,

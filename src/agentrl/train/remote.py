@@ -47,7 +47,11 @@ def resolve_layout(cfg) -> str:
 
 
 def make_learner(cfg):
-    """The learner for cfg's layout: in this process, or in its own."""
+    """The learner for cfg's layout: in this process, or in its own; on a Ray cluster, an actor."""
+    if cfg.cluster.ray_address:
+        from agentrl.train.ray_learner import RayLearner
+
+        return RayLearner(cfg)
     if resolve_layout(cfg) == "split":
         return RemoteLearner(cfg)
     from agentrl.models import load_model

@@ -1,0 +1,157 @@
+"""Sampler replicas on a Ray cluster (`sampling.replicas N`, `--sampler-replicas N`).
+
+N Ray actors, each one sampler (hf or vLLM) on its own GPU (on CPU without one). Each lockstep
+step's batch is split by group: all rows of a task go to the same replica (so its prefix cache
+is reused), tasks are spread round-robin as they first appear. Rows carry their own seeds, so
+the samples do not depend on the split: N replicas give the trajectories one sampler gives.
+A hot-swap sends the adapter's bytes through the object store once; every replica writes them
+to its own disk, loads them and reports the version it now serves, which must be the new one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from agentrl.errors import RunError, UserError
+from agentrl.sampling.base import Completion, SamplingParams
+
+
+class SamplerReplica:
+    """One replica (a Ray actor): the backend `make_sampler` builds, on the actor's device."""
+
+    def __init__(self, cfg, colocated: bool = False, gpus: int = 0):
+        import dataclasses
+
+        from agentrl.sampling import make_sampler
+
+        device = "cuda" if gpus and str(cfg.model.device).startswith("cuda") else cfg.model.device  # Ray shows it one GPU
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device),
+                                  sampling=dataclasses.replace(cfg.sampling, replicas=1))
+        self.sampler = make_sampler(cfg, colocated=colocated)
+        self.adapter_dir: str | None = None
+
+    def generate(self, prompts, params, seeds, keys) -> list[Completion]:
+        return self.sampler.generate(prompts, params, seeds, keys)
+
+    def load_adapter(self, files: dict[str, bytes], version: int | None) -> int | None:
+        from agentrl.io import write_tree
+
+        path = write_tree(files, tempfile.mkdtemp(prefix=f"agentrl-adapter-v{version}-"))
+        self.sampler.load_adapter(str(path), version)
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.adapter_dir = str(path)
+        return self.serving()
+
+    def serving(self) -> int | None:
+        return getattr(self.sampler, "adapter_version", None)
+
+    def sleep(self) -> None:
+        self.sampler.sleep()
+
+    def describe(self) -> dict:
+        import os
+
+        import ray
+
+        return {"tokenizer": self.sampler.tokenizer, "max_model_len": self.sampler.max_model_len,
+                "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+
+def replica_gpus(cfg, cluster_gpus: float) -> int:
+    """GPUs one replica holds: 1 for vLLM or a CUDA device, or on `auto` when the cluster has GPUs."""
+    device = str(cfg.model.device)
+    if cfg.sampling.backend == "vllm" or device.startswith("cuda"):
+        return 1
+    return 1 if device == "auto" and cluster_gpus >= 1 else 0
+
+
+class ReplicatedSampler:
+    """The Sampler protocol over N replica actors."""
+
+    def __init__(self, cfg, colocated: bool = False):
+        import ray
+
+        from agentrl import cluster
+
+        n = cfg.sampling.replicas
+        gpus = replica_gpus(cfg, cluster.resources().get("GPU", 0))
+        check_replicas(cfg)
+        actor = ray.remote(SamplerReplica).options(num_cpus=1, num_gpus=gpus)
+        self.replicas = [actor.remote(cfg, colocated, gpus) for _ in range(n)]
+        try:
+            info = ray.get([r.describe.remote() for r in self.replicas])
+        except ray.exceptions.RayActorError as e:
+            raise RunError(f"a sampler replica failed to start: {e}") from None
+        self.tokenizer, self.max_model_len = info[0]["tokenizer"], info[0]["max_model_len"]
+        self.placement = [(i["node"], i["pid"]) for i in info]
+        self.adapter_version: int | None = None
+        self._replica_of: dict = {}  # task (game id) -> replica index
+
+    def _replica(self, key, row: int) -> int:
+        task = key[0] if isinstance(key, (tuple, list)) else key
+        if task is None:
+            return row % len(self.replicas)
+        if task not in self._replica_of:
+            self._replica_of[task] = len(self._replica_of) % len(self.replicas)
+        return self._replica_of[task]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
+                 keys: list | None = None) -> list[Completion]:
+        import ray
+
+        share: dict[int, list[int]] = {}
+        for i in range(len(prompts)):
+            share.setdefault(self._replica(keys[i] if keys else None, i), []).append(i)
+        calls = {r: self.replicas[r].generate.remote([prompts[i] for i in rows], params,
+                                                     None if seeds is None else [seeds[i] for i in rows],
+                                                     None if keys is None else [keys[i] for i in rows])
+                 for r, rows in share.items()}
+        out: list[Completion | None] = [None] * len(prompts)
+        for r, ref in calls.items():
+            for i, c in zip(share[r], self._get(ref, "generate")):
+                out[i] = c
+        return out
+
+    def _get(self, ref, what: str):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            raise RunError(f"a sampler replica died during {what}: {str(e).splitlines()[0]}") from None
+
+    def load_adapter(self, path: str, version: int | None = None) -> None:
+        import ray
+
+        from agentrl.io import read_tree
+
+        files = ray.put(read_tree(path))
+        served = self._get([r.load_adapter.remote(files, version) for r in self.replicas], "load_adapter")
+        if any(v != version for v in served):
+            raise RunError(f"after the swap to v{version} the sampler replicas serve versions {served}")
+        self.adapter_version = version
+
+    def served_versions(self) -> list[int | None]:
+        return self._get([r.serving.remote() for r in self.replicas], "serving")
+
+    def sleep(self) -> None:
+        self._get([r.sleep.remote() for r in self.replicas], "sleep")
+
+    def close(self) -> None:
+        import ray
+
+        for r in self.replicas:
+            ray.kill(r, no_restart=True)
+        self.replicas = []
+
+
+def check_replicas(cfg) -> None:
+    """Refuse, with one line, more GPU replicas than the cluster has GPUs (call once connected)."""
+    from agentrl import cluster
+
+    gpus = cluster.resources().get("GPU", 0)
+    if replica_gpus(cfg, gpus) and cfg.sampling.replicas > gpus:
+        raise UserError(f"sampling.replicas {cfg.sampling.replicas} needs {cfg.sampling.replicas} GPUs (one per replica); "
+                        f"the cluster has {int(gpus)}")
