@@ -20,13 +20,19 @@ from agentrl.rollout import ModelPolicy, WalkthroughPolicy, run_lockstep  # noqa
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
+def _ray_down_after_the_module():
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
 def local_ray():
+    """This machine's local Ray (started once; the two-node test shuts it down and starts its own)."""
     from agentrl import cluster
 
     cluster.connect("local", local_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def trace(rollout) -> list:
@@ -59,11 +65,11 @@ def test_walkthroughs_through_ray_actors_win_every_game(local_ray, data_root):
     from agentrl.env import find_games
     from agentrl.env.ray_pool import RayEnvPool
 
-    sample = find_games("alfworld", "valid_seen", data_root, limit=8)
-    with RayEnvPool(3, "alfworld") as pool:
+    sample = find_games("alfworld", "valid_seen", data_root, limit=4)
+    with RayEnvPool(2, "alfworld") as pool:
         pool.ready()
         rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=50, envs=pool)
-        assert len({pid for _, pid in pool.placement()}) == 3  # three actors, three processes
+        assert len({pid for _, pid in pool.placement()}) == 2  # two actors, two processes
     assert [t.won for t in rollout.trajectories] == [True] * len(sample)
 
 
@@ -110,9 +116,9 @@ def test_a_hung_env_actor_times_out_and_is_replaced(local_ray, games):
     try:
         game = games["pick_and_place_simple"]
         assert pool.collect(pool.submit("reset", [(0, game)]))[0].observation
-        pool.timeout_s = 2.0
         (fine,) = pool.collect(pool.submit("step", [(0, "look")]))
         assert fine.observation  # the actor answers ...
+        pool.timeout_s = 2.0
         hang = pool.actors[0].__ray_call__.remote(lambda self: time.sleep(30))  # ... until it hangs
         (late,) = pool.collect(pool.submit("step", [(0, "look")]))
         assert "did not answer within 2s" in late.message and pool.replaced == 1
@@ -122,31 +128,6 @@ def test_a_hung_env_actor_times_out_and_is_replaced(local_ray, games):
         del hang
     finally:
         pool.shutdown()
-
-
-def test_env_actors_are_placed_on_both_nodes_of_a_two_node_cluster(data_root):
-    """`ray.cluster_utils.Cluster` simulates two nodes on this machine: SPREAD places the env
-    actors on both; the walkthroughs still win every game."""
-    from ray.cluster_utils import Cluster
-
-    from agentrl.env import find_games
-    from agentrl.env.ray_pool import RayEnvPool
-
-    if ray.is_initialized():
-        ray.shutdown()
-    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    two.add_node(num_cpus=2)
-    try:
-        ray.init(address=two.address, log_to_driver=False)
-        sample = find_games("alfworld", "valid_seen", data_root, limit=4)
-        with RayEnvPool(2, "alfworld") as pool:
-            nodes = {node for node, _ in pool.placement()}
-            rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=50, envs=pool)
-        assert len(nodes) == 2
-        assert all(t.won for t in rollout.trajectories)
-    finally:
-        ray.shutdown()
-        two.shutdown()
 
 
 def agentrl(*args, timeout=600):
@@ -174,15 +155,18 @@ def test_a_bad_ray_address_is_one_line_and_exit_2_before_anything_is_written(tmp
     assert not out.exists()
 
 
-def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray, tiny_actor_dir):
+def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray, tiny_actor_dir, tmp_path):
     """Each row carries its own seed, so splitting a step's batch over two replicas (a task stays on
     one) changes nothing: same tokens, same log-probs (to float precision), same actions. The
-    reference runs with one torch thread, as each replica actor does (Ray gives it one CPU)."""
+    reference runs with one torch thread, as each replica actor does (Ray gives it one CPU). Then
+    a hot-swap reaches both replicas and both report (and serve) the new version."""
     import torch
+    from peft import LoraConfig, get_peft_model
 
     from agentrl.config import load_config
     from agentrl.env import find_games
     from agentrl.env.synthetic import synthetic_messages
+    from agentrl.models import load_model
     from agentrl.sampling import make_sampler
     from agentrl.sampling.base import SamplingParams
     from agentrl.sampling.replicas import ReplicatedSampler
@@ -203,6 +187,13 @@ def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray,
         two = run_lockstep(games, ModelPolicy(replicated, params, seed=4, messages=synthetic_messages), max_steps=2, fuzzy_threshold=0, group_size=3,
                            make_env=_synthetic)
         assert set(replicated._replica_of.values()) == {0, 1}  # both replicas served tasks
+        # a hot-swap reaches every replica, and each reports the version it now serves
+        model = load_model(str(tiny_actor_dir), "float32", "cpu")[0]
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(tmp_path / "v3")
+        replicated.load_adapter(str(tmp_path / "v3"), 3)
+        assert replicated.served_versions() == [3, 3] and replicated.adapter_version == 3
+        assert {c.adapter_version for c in replicated.generate([one.trajectories[0].token_ids[:20]] * 2, params, [1, 2],
+                                                               [("a", 0), ("b", 0)])} == {3}
     finally:
         replicated.close()
     assert [(t.token_ids, t.stop_reason) for t in two.trajectories] == [(t.token_ids, t.stop_reason) for t in one.trajectories]
@@ -214,27 +205,6 @@ def _synthetic(game):
     from agentrl.env.synthetic import SyntheticEnv
 
     return SyntheticEnv(game)
-
-
-def test_a_swap_reaches_every_replica_and_each_reports_the_version(local_ray, tiny_actor_dir, tmp_path):
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    from agentrl.config import load_config
-    from agentrl.models import load_model
-    from agentrl.sampling.replicas import ReplicatedSampler
-
-    model = load_model(str(tiny_actor_dir), "float32", "cpu")[0]
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
-    peft.save_pretrained(tmp_path / "v3")
-    replicated = ReplicatedSampler(load_config(None, {"model.name": str(tiny_actor_dir), "cluster.ray_address": "local",
-                                                      "sampling.replicas": 2}))
-    try:
-        replicated.load_adapter(str(tmp_path / "v3"), 3)
-        assert replicated.served_versions() == [3, 3] and replicated.adapter_version == 3
-    finally:
-        replicated.close()
 
 
 def test_train_over_ray_then_resume_equals_an_uninterrupted_run(local_ray, tmp_path, tiny_actor_dir, monkeypatch):
@@ -278,3 +248,28 @@ def test_replicas_above_the_clusters_gpus_are_refused_before_anything_is_written
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "sampling.replicas 2 needs 2 GPUs (one per replica); the cluster has 0" in proc.stderr
     assert not out.exists()
+
+
+def test_env_actors_are_placed_on_both_nodes_of_a_two_node_cluster(data_root):
+    """`ray.cluster_utils.Cluster` simulates two nodes on this machine: SPREAD places the env
+    actors on both; the walkthroughs still win every game."""
+    from ray.cluster_utils import Cluster
+
+    from agentrl.env import find_games
+    from agentrl.env.ray_pool import RayEnvPool
+
+    if ray.is_initialized():
+        ray.shutdown()
+    two = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    two.add_node(num_cpus=2)
+    try:
+        ray.init(address=two.address, log_to_driver=False)
+        sample = find_games("alfworld", "valid_seen", data_root, limit=4)
+        with RayEnvPool(2, "alfworld") as pool:
+            nodes = {node for node, _ in pool.placement()}
+            rollout = run_lockstep(sample, WalkthroughPolicy(), max_steps=50, envs=pool)
+        assert len(nodes) == 2
+        assert all(t.won for t in rollout.trajectories)
+    finally:
+        ray.shutdown()
+        two.shutdown()

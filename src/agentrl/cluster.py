@@ -26,7 +26,7 @@ def connect(address: str, local_cpus: int | None = None) -> None:
         return
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address == "local":
-        ray.init(include_dashboard=False, num_cpus=local_cpus, **quiet)
+        ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **quiet)  # always a new instance
         return
     m = HOST_PORT.match(address)
     if m:  # refuse at once instead of Ray's long retries when nobody listens there

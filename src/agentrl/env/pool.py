@@ -81,6 +81,24 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
     return out
 
 
+def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
+    """A request's plan: which worker gets which items. The envs of one game go to one worker
+    (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers."""
+    if op == "reset":
+        for handle, game in items:
+            if game.game_id not in pool._by_game:
+                pool._by_game[game.game_id] = len(pool._by_game) % n_workers
+            pool._owner[handle] = pool._by_game[game.game_id]
+    pending = Pending(op, [EnvFailure(f"env lost with its {what}")] * len(items))
+    for i, (handle, _) in enumerate(items):
+        if handle in pool._owner:
+            pending.shares.setdefault(pool._owner[handle], []).append(i)
+    if op == "release":
+        for handle, _ in items:
+            pool._owner.pop(handle, None)
+    return pending
+
+
 class _Batches:
     """The blocking calls, the same for envs in this process and in a pool: submit, then collect."""
 
@@ -158,24 +176,10 @@ class EnvPool(_Batches):
         child.close()
         return proc, conn
 
-    def _worker_for(self, game: Game) -> int:
-        if game.game_id not in self._by_game:
-            self._by_game[game.game_id] = len(self._by_game) % len(self._workers)
-        return self._by_game[game.game_id]
-
     def submit(self, op: str, items: list[tuple[int, object]]) -> Pending:
         """Send each worker its share of `items` (reset: (handle, game), step: (handle, command),
         release: (handle, None)) and return without waiting."""
-        if op == "reset":
-            for handle, game in items:
-                self._owner[handle] = self._worker_for(game)
-        pending = Pending(op, [EnvFailure("env lost with its worker")] * len(items))
-        for i, (handle, _) in enumerate(items):
-            if handle in self._owner:
-                pending.shares.setdefault(self._owner[handle], []).append(i)
-        if op == "release":
-            for handle, _ in items:
-                self._owner.pop(handle, None)
+        pending = share(self, op, items, len(self._workers), "worker")
         for w, idx in pending.shares.items():
             try:
                 self._workers[w][1].send((op, [items[i] for i in idx]))

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 
-from agentrl.env.data import Game
-from agentrl.env.pool import EnvFailure, Pending, _Batches
+from agentrl.env.pool import EnvFailure, Pending, _Batches, share
 
 
 class EnvActor:
@@ -54,6 +53,8 @@ class RayEnvPool(_Batches):
         self._actor_class = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(EnvActor)
         self._actors = [self._start() for _ in range(workers)]
         self._generation = [0] * workers  # bumped when an actor is replaced
+        self._started = [False] * workers  # answered once: until then its start-up (imports, placement) may take longer
+        self.start_timeout_s = max(600.0, timeout_s)
         self._owner: dict[int, int] = {}  # env handle -> actor index
         self._by_game: dict[str, int] = {}
         self.replaced = 0
@@ -61,22 +62,8 @@ class RayEnvPool(_Batches):
     def _start(self):
         return self._actor_class.remote(self.kind)
 
-    def _actor_for(self, game: Game) -> int:
-        if game.game_id not in self._by_game:
-            self._by_game[game.game_id] = len(self._by_game) % len(self._actors)
-        return self._by_game[game.game_id]
-
     def submit(self, op: str, items: list[tuple[int, object]]) -> Pending:
-        if op == "reset":
-            for handle, game in items:
-                self._owner[handle] = self._actor_for(game)
-        pending = Pending(op, [EnvFailure("env lost with its actor")] * len(items))
-        for i, (handle, _) in enumerate(items):
-            if handle in self._owner:
-                pending.shares.setdefault(self._owner[handle], []).append(i)
-        if op == "release":
-            for handle, _ in items:
-                self._owner.pop(handle, None)
+        pending = share(self, op, items, len(self._actors), "actor")
         for a, idx in pending.shares.items():
             pending.refs[a] = (self._generation[a], self._actors[a].run.remote(op, [items[i] for i in idx]))
             pending.waiting.add(a)
@@ -87,14 +74,16 @@ class RayEnvPool(_Batches):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
         for a in sorted(pending.waiting):
             generation, ref = pending.refs[a]
+            limit = self.timeout_s if self._started[a] else self.start_timeout_s
             try:
-                answer = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                answer = ray.get(ref, timeout=max(0.0, t0 + limit - time.monotonic()))
+                self._started[a] = self._started[a] or self._generation[a] == generation
             except (GetTimeoutError, RayActorError) as e:
                 hung = isinstance(e, GetTimeoutError)
-                why = f"did not answer within {self.timeout_s:g}s" if hung else "died"
+                why = f"did not answer within {limit:g}s" if hung else "died"
                 for i in pending.shares[a]:
                     pending.out[i] = EnvFailure(f"env actor {why} during {pending.op}")
                 if self._generation[a] == generation:  # not replaced yet by an earlier request's failure
@@ -111,6 +100,7 @@ class RayEnvPool(_Batches):
         ray.kill(self._actors[a], no_restart=True)
         self._actors[a] = self._start()
         self._generation[a] += 1
+        self._started[a] = False
         self.replaced += 1
         for handle in [h for h, owner in self._owner.items() if owner == a]:
             del self._owner[handle]
@@ -120,7 +110,8 @@ class RayEnvPool(_Batches):
         import ray
 
         t0 = time.perf_counter()
-        ray.get([actor.run.remote("ping", []) for actor in self._actors], timeout=self.timeout_s)
+        ray.get([actor.run.remote("ping", []) for actor in self._actors], timeout=self.start_timeout_s)
+        self._started = [True] * len(self._actors)
         return time.perf_counter() - t0
 
     def placement(self) -> list[tuple[str, int]]:
