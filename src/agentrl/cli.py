@@ -308,7 +308,7 @@ def train_cmd(
                       "sampling.replicas")
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
-            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers and --ray-address "
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address and --sampler-replicas "
                             f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
         run = resume
         cfg = prepare_run(resume, None, resume=True, force=False, overrides={k: overrides[k] for k in may_change})
