@@ -63,12 +63,6 @@ def resources() -> dict[str, float]:
     return ray.cluster_resources()
 
 
-def node_count() -> int:
-    import ray
-
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
-
-
 def reserved_cpus(cfg) -> int:
     """CPU slots the run's other actors hold: one per sampler replica (when there is more than
     one; a single sampler runs in the driver) and one for the learner of `agentrl train`."""

@@ -99,8 +99,6 @@ class ReplicatedSampler:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
                  keys: list | None = None) -> list[Completion]:
-        import ray
-
         share: dict[int, list[int]] = {}
         for i in range(len(prompts)):
             share.setdefault(self._replica(keys[i] if keys else None, i), []).append(i)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from agentrl.config import ADVANTAGES as ESTIMATORS
-from agentrl.rollout.trajectory import is_zero, token_advantages, trained_tokens  # noqa: F401 (re-exported)
 
 
 def group_advantages(rewards, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
@@ -170,25 +169,22 @@ def batch_advantages(groups, advantage: "str | Advantage" = "grpo", dapo_filter:
     return out
 
 
-def _mass(groups, fn: Advantage) -> float:
-    """Sum over the groups' steps of A(i, t)^2 (a trajectory-level advantage counts once per step)."""
-    total = 0.0
-    for g in groups:
-        for t, a in zip(g.trajectories, fn.of_group(g)):
-            total += sum(x * x for x in a) if isinstance(a, list) else a * a * len(t.step_tokens)
-    return total
+def _squared(traj, a) -> float:
+    """Sum over a trajectory's steps of A(i, t)^2 (a trajectory-level advantage counts once per step)."""
+    return sum(x * x for x in a) if isinstance(a, list) else a * a * len(traj.step_tokens)
 
 
-def advantage_mass(groups, fn: Advantage) -> dict:
+def advantage_mass(groups, batch, fn: Advantage) -> dict:
     """What the gate's cuts dropped, in advantage: the squared L2 norm of the per-step advantages
-    of the groups in the loss vs the groups the audit let run (`--gate-audit`: the gate would have
+    in the loss (`batch`) vs in the groups the audit let run (`--gate-audit`: the gate would have
     cut them; they ran to the end, so their advantages are known), and an estimate of the share
     of the iteration's advantage mass the gate dropped (the audited groups' mean mass per group
     stands in for every group the gate cut or would have cut)."""
     kept = [g for g in groups if not g.cut and not g.excluded_by]
     audited = [g for g in groups if g.excluded_by == "cut" and not g.cut]
     n_cut = sum(g.cut for g in groups)
-    kept_sq, audited_sq = _mass(kept, fn), _mass(audited, fn)
+    kept_sq = sum(_squared(t, a) for t, a in batch)
+    audited_sq = sum(_squared(t, a) for g in audited for t, a in zip(g.trajectories, fn.of_group(g)))
     out = {"kept_groups": len(kept), "kept_l2": round(kept_sq ** 0.5, 6), "audited_groups": len(audited),
            "audited_l2": round(audited_sq ** 0.5, 6), "cut_groups": n_cut}
     if audited:

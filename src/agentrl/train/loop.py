@@ -107,7 +107,7 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "step_tokens_trained": stats.step_tokens_trained,
         "trajectories_trained": sum(not is_zero(a) for _, a in batch),
         # the advantage in the loss vs in the groups the gate cut (audited ones ran on: known)
-        "advantage_mass": advantage_mass(groups, advantage or Advantage()),
+        "advantage_mass": advantage_mass(groups, batch, advantage or Advantage()),
         **{k: round(v, 4) for k, v in timings.items()},
         "elapsed_s": round(elapsed_s, 4),
         "adapter_version": adapter_version,

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from agentrl.train.remote import LearnerDied, TrainItem
+from agentrl.train.remote import LearnerDied, TrainItem, train_items
 
 
 class LearnerActor:
@@ -104,9 +104,7 @@ class RayLearner:
             raise cause from None
 
     def update(self, batch):
-        items = [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
-                  [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
-        return self._call(self.actor.update.remote(items), "update")
+        return self._call(self.actor.update.remote(train_items(batch)), "update")
 
     def save_adapter(self, root: Path) -> Path:
         """Written here by the driver as root/v{n}, atomically (temp dir, then rename)."""

@@ -35,6 +35,13 @@ class TrainItem:
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
 
 
+def train_items(batch) -> list:
+    """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
+    step tokens), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
+    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
+             [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
+
+
 def resolve_layout(cfg) -> str:
     """colocate | split for this config (auto: split only when the learner has its own CUDA device)."""
     layout = cfg.train.layout
@@ -138,9 +145,7 @@ class RemoteLearner:
         return result
 
     def update(self, batch):
-        items = [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
-                  [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
-        return self._call("update", items)
+        return self._call("update", train_items(batch))
 
     def save_adapter(self, root: Path) -> Path:
         path, self.version = self._call("save_adapter", str(root))
