@@ -116,7 +116,7 @@ def test_train_refuses_a_run_directory_in_use(tmp_path):
     (run / "metrics.jsonl").write_text('{"kind": "iteration", "iteration": 1}\n')
     assert_clean_error(agentrl("train", "--out", str(run)), r"already holds a run; continue it with --resume")
     assert_clean_error(agentrl("train", "--resume", str(run)), r"cannot resume .*no config.yaml")
-    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations, the devices, --env-workers, --ray-address and --sampler-replicas may change")
+    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb and --sampler-batch-size may change")
     assert (run / "metrics.jsonl").read_text() == '{"kind": "iteration", "iteration": 1}\n'
 
 

@@ -108,6 +108,9 @@ class Misbehaving:
     def __init__(self, inner):
         self.inner, self.tokenizer = inner, inner.tokenizer
 
+    def release(self, keys):
+        self.inner.release(keys)
+
     def generate(self, prompts, params, seeds=None, keys=None):
         from dataclasses import replace
 

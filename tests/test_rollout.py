@@ -19,6 +19,8 @@ class Scripted:
 
     def observe(self, traj, obs): ...
 
+    def finish(self, trajs): ...
+
 
 def look_everyone(traj, step):
     return "look"

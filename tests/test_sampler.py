@@ -1,9 +1,16 @@
+"""The transformers sampler (the slot KV engine): exactness against transformers' own forward and
+generate, reproducible rows, cache reuse equal to no reuse, the store's slots and budget, and the
+same on tiny random models of three architectures (Llama, Qwen2 with biases, Mistral)."""
+
+import copy
+
 import pytest
 import torch
 
 from agentrl.errors import UserError
 from agentrl.sampling.base import SamplingParams
-from agentrl.sampling.hf import HFSampler
+from agentrl.sampling.hf import HFSampler, row_uniforms
+from agentrl.sampling.kv import KVBudgetError, SlotStore, kv_bytes_per_token
 
 
 @pytest.fixture
@@ -12,28 +19,74 @@ def prompts(tokenizer):
     return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
-def test_greedy_matches_transformers_generate(tiny_model, tokenizer, prompts):
-    sampler = HFSampler(tiny_model, tokenizer)
+def _tiny(kind: str, tokenizer):
+    """A 2-layer random model of another architecture with the default vocabulary (GQA: 4 query, 2 KV heads)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if kind == "qwen2":  # q/k/v biases, untied head
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)).eval()
+    return MistralForCausalLM(MistralConfig(**common, sliding_window=2048)).eval()
+
+
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
+def arch_model(request, tiny_model, tokenizer):
+    return tiny_model if request.param == "llama" else _tiny(request.param, tokenizer)
+
+
+def _teacher_forced(model, prompt, ids):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(ids)]
+
+
+def test_greedy_matches_transformers_generate(arch_model, tokenizer, prompts):
+    sampler = HFSampler(arch_model, tokenizer)
     out = sampler.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
     for p, c in zip(prompts, out):
-        ref = tiny_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=list(sampler.stop_ids),
+        ref = arch_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=list(sampler.stop_ids),
                                   pad_token_id=tokenizer.pad_token_id)
         assert c.token_ids == ref[0, len(p):].tolist()
         assert c.prompt_ids == p
 
 
-def test_logprobs_equal_teacher_forced(tiny_model, tokenizer, prompts):
-    sampler = HFSampler(tiny_model, tokenizer)
+def test_logprobs_equal_teacher_forced(arch_model, tokenizer, prompts):
+    sampler = HFSampler(arch_model, tokenizer)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=6)
     for p, c in zip(prompts, sampler.generate(prompts, params, seeds=[1, 2])):
-        with torch.no_grad():
-            logp = torch.log_softmax(tiny_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
-        expected = [logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)]
-        assert c.logprobs == pytest.approx(expected, abs=1e-4)
+        assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
 
 
-def test_seeds_reproduce_a_row_whatever_the_batch(tiny_model, tokenizer, prompts):
-    sampler = HFSampler(tiny_model, tokenizer)
+def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, prompts):
+    """Turn 2 continues turn 1 (reply + an observation of a different length per row): with keys
+    the cached prefix is reused; tokens and log-probs equal the run without keys and a teacher-forced forward."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
+    results = {}
+    for reuse in (False, True):
+        sampler = HFSampler(arch_model, tokenizer)
+        keys = ["a", "b"] if reuse else None
+        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
+        second_prompts = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
+        second = sampler.generate(second_prompts, params, seeds=[3, 4], keys=keys)
+        results[reuse] = first + second
+        if reuse:
+            assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
+            assert sampler.store.live == 2
+            for p, c in zip(second_prompts, second):
+                assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
+        else:
+            assert sampler.store.live == 0  # unnamed rows hold nothing after their call
+    for a, b in zip(results[False], results[True]):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_seeds_reproduce_a_row_whatever_the_batch(arch_model, tokenizer, prompts):
+    sampler = HFSampler(arch_model, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
     both = sampler.generate(prompts, params, seeds=[11, 22])
     alone = sampler.generate(prompts[1:], params, seeds=[22])
@@ -47,6 +100,21 @@ def test_batch_size_chunks_do_not_change_results(tiny_model, tokenizer, prompts)
     big = HFSampler(tiny_model, tokenizer, batch_size=8).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
     small = HFSampler(tiny_model, tokenizer, batch_size=1).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
     assert [c.token_ids for c in big] == [c.token_ids for c in small]
+
+
+def test_sync_points_and_compaction_do_not_change_results(tiny_model, tokenizer, prompts):
+    """Rows that stop early stay in the batch until a sync point, then leave it (gathered rows
+    instead of a view): neither changes any row's tokens or log-probs."""
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    ref = HFSampler(tiny_model, tokenizer, sync_every=64).generate(prompts * 3, params)
+    stop = ref[0].token_ids[1]  # rows of prompt 0 now stop at their second token, the others run on
+    for every in (1, 2, 64):
+        sampler = HFSampler(tiny_model, tokenizer, sync_every=every)
+        sampler.stop_ids = {stop}
+        out = sampler.generate(prompts * 3, params)
+        for r, c in zip(ref, out):
+            k = r.token_ids.index(stop) + 1 if stop in r.token_ids else len(r.token_ids)
+            assert c.token_ids == r.token_ids[:k] and c.logprobs == pytest.approx(r.logprobs[:k], abs=1e-5)
 
 
 def test_stop_token_ends_a_row_and_others_continue(tiny_model, tokenizer, prompts):
@@ -65,8 +133,6 @@ def test_stop_token_ends_a_row_and_others_continue(tiny_model, tokenizer, prompt
 def test_peft_adapter_is_applied(tiny_model, tokenizer, prompts, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    import copy
-
     torch.manual_seed(1)
     peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
@@ -74,12 +140,17 @@ def test_peft_adapter_is_applied(tiny_model, tokenizer, prompts, tmp_path):
     base = HFSampler(copy.deepcopy(tiny_model), tokenizer).generate(prompts, params)
     sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer, adapter=str(tmp_path / "adapter"))
     adapted = sampler.generate(prompts, params)
-    with torch.no_grad():
-        p = prompts[0]
-        ref = torch.log_softmax(peft_model(torch.tensor([p + adapted[0].token_ids])).logits[0].float(), -1)
-    assert adapted[0].logprobs[0] == pytest.approx(ref[len(p) - 1, adapted[0].token_ids[0]].item(), abs=1e-4)
+    assert adapted[0].logprobs == pytest.approx(_teacher_forced(peft_model, prompts[0], adapted[0].token_ids), abs=1e-4)
     assert [c.logprobs for c in adapted] != [c.logprobs for c in base]
     assert sampler.adapter_version == 0
+
+
+def test_a_shared_model_keeps_its_own_attention(tiny_model, tokenizer, prompts):
+    """The engine routes attention through its function only during its calls: a learner holding
+    the same model object computes with transformers' attention before and after."""
+    before = tiny_model.config._attn_implementation
+    HFSampler(tiny_model, tokenizer).generate(prompts, SamplingParams(temperature=0, max_new_tokens=3))
+    assert tiny_model.config._attn_implementation == before != "agentrl_slots"
 
 
 def test_bad_adapter_dirs_are_user_errors(tiny_model, tokenizer, tmp_path):
@@ -87,43 +158,21 @@ def test_bad_adapter_dirs_are_user_errors(tiny_model, tokenizer, tmp_path):
         HFSampler(tiny_model, tokenizer, adapter=str(tmp_path))
 
 
-def test_kv_reuse_across_turns_gives_the_same_samples(tiny_model, tokenizer, prompts):
-    """Multi-turn: the second call continues the first; reusing the cache must not change results."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=5)
-    obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
-    results = {}
-    for reuse in (False, True):
-        sampler = HFSampler(tiny_model, tokenizer)
-        keys = ["a", "b"] if reuse else None
-        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
-        second_prompts = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
-        second = sampler.generate(second_prompts, params, seeds=[3, 4], keys=keys)
-        results[reuse] = (first, second)
-        if reuse:
-            assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
-            assert set(sampler._kv) == {"a", "b"}
-            third = sampler.generate(second_prompts[:1], params, seeds=[5], keys=["a"])
-            assert set(sampler._kv) == {"a"} and set(sampler._kv_older) == {"b"}  # "b" may be the other wave
-            assert third[0].prompt_ids == second_prompts[0]
-            sampler.generate(second_prompts[:1], params, seeds=[5], keys=["a"])
-            assert set(sampler._kv) == {"a"} and not sampler._kv_older  # "b" missed two calls: dropped
-    for (f0, s0), (f1, s1) in [(results[False], results[True])]:
-        for a, b in zip(f0 + s0, f1 + s1):
-            assert a.token_ids == b.token_ids
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+def test_a_model_the_engine_cannot_serve_is_refused(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(UserError, match="serves model types llama, qwen2, qwen3, mistral; this model is 'gpt2'") as e:
+        HFSampler(model, tokenizer)
+    assert "\n" not in str(e.value)
 
 
-def test_two_waves_taking_turns_keep_their_caches(tiny_model, tokenizer, prompts):
-    """The rollout alternates two waves of trajectories: each wave's next turn reuses its cache."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=4)
-    obs = tokenizer("an observation", add_special_tokens=False).input_ids
-    sampler = HFSampler(tiny_model, tokenizer)
-    a1 = sampler.generate(prompts[:1], params, seeds=[1], keys=["a"])[0]
-    b1 = sampler.generate(prompts[1:], params, seeds=[2], keys=["b"])[0]
-    before = sampler.reused_tokens
-    sampler.generate([prompts[0] + a1.token_ids + obs], params, seeds=[3], keys=["a"])
-    sampler.generate([prompts[1] + b1.token_ids + obs], params, seeds=[4], keys=["b"])
-    assert sampler.reused_tokens - before == len(prompts[0]) + len(a1.token_ids) - 1 + len(prompts[1]) + len(b1.token_ids) - 1
+def test_a_sliding_window_caps_the_served_length(tokenizer):
+    """Mistral's window equals full attention below its size: the sampler serves up to it (the rollout ends episodes there)."""
+    assert HFSampler(_tiny("mistral", tokenizer), tokenizer).max_model_len == 2048
+
+
+# ------------------------------------------------------------------ the store
 
 
 def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
@@ -137,9 +186,8 @@ def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
 
 
 def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, tokenizer):
-    """Prefill batches rows whose new tokens differ in length (pads between each row's cached
-    prefix and its new tokens, masked out): every row must sample exactly what it samples alone,
-    fresh prompts and continued ones (different cached lengths) alike."""
+    """Prefill batches rows whose new tokens differ in length (pads first, never written nor
+    attended): every row samples exactly what it samples alone, fresh and continued rows alike."""
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
     texts = ["you are in the middle of a room", "you are in the middle of a big room", "you see a desk 1 and a bed 1 here"]
     fresh = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
@@ -161,6 +209,90 @@ def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, t
         assert alone.prefill_pad_tokens == 0
 
 
+def test_released_slots_are_reused_and_the_store_stays_flat(tiny_model, tokenizer, prompts):
+    """A long run of episodes that start and end: released slots are taken by the next episodes,
+    so the store's size is that of the rows live at once, not of every episode ever run."""
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    obs = tokenizer("ok", add_special_tokens=False).input_ids
+    sizes = []
+    for episode in range(6):
+        keys = [(episode, i) for i in range(4)]
+        ids = [list(prompts[i % 2]) for i in range(4)]
+        for turn in range(3):
+            out = sampler.generate(ids, params, seeds=[episode * 10 + turn] * 4, keys=keys)
+            ids = [p + c.token_ids + obs for p, c in zip(ids, out)]
+        assert sampler.store.live == 4 and sampler.store.slots == 4
+        sizes.append(sampler.store.nbytes)
+        sampler.release(keys[:2])  # two end; the other two end at the next episode's start
+        assert sampler.store.live == 2
+        sampler.release(keys[2:])
+        assert sampler.store.live == 0 and sampler.store.nbytes == 0  # nothing live: memory given back
+    assert len(set(sizes)) == 1
+
+
+def test_a_batch_is_packed_into_consecutive_slots(tiny_model, tokenizer, prompts):
+    """After rows in the middle end, the next call moves the live rows together, so decoding
+    reads the store as a view; the moved rows continue exactly."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    obs = tokenizer("ok", add_special_tokens=False).input_ids
+    sampler = HFSampler(tiny_model, tokenizer)
+    keys = list(range(5))
+    ids = [list(prompts[i % 2]) for i in range(5)]
+    out = sampler.generate(ids, params, seeds=list(range(5)), keys=keys)
+    ids = [p + c.token_ids + obs for p, c in zip(ids, out)]
+    sampler.release([1, 2])
+    left = [0, 3, 4]
+    second = sampler.generate([ids[k] for k in left], params, seeds=[7, 8, 9], keys=left)
+    packed = sorted(sampler.store.slot_of[k] for k in left)
+    assert packed == list(range(packed[0], packed[0] + 3)) and sampler.store.moves == 1  # row 0 moved next to 3 and 4
+    for k, c in zip(left, second):
+        assert c.logprobs == pytest.approx(_teacher_forced(tiny_model, ids[k], c.token_ids), abs=1e-4)
+
+
+def test_over_budget_the_store_drops_other_caches_then_refuses(tiny_model, tokenizer, prompts):
+    """Under pressure the caches of rows not in the batch are dropped (re-run later: same tokens);
+    a batch that alone cannot fit stops with one line naming the knobs."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    per_row = 128 * kv_bytes_per_token(tiny_model.config, torch.float32)  # one slot of 128 positions
+    sampler = HFSampler(tiny_model, tokenizer, kv_budget_gb=2.5 * per_row / (1 << 30))
+    a = sampler.generate(prompts, params, seeds=[1, 2], keys=["a", "b"])
+    c = sampler.generate([prompts[0]], params, seeds=[3], keys=["c"])  # 3 slots do not fit: "a" is dropped
+    assert sampler.store.dropped == 1 and "a" not in sampler.store.slot_of and sampler.store.nbytes <= 2.5 * per_row
+    turn2 = prompts[0] + a[0].token_ids + prompts[1]
+    again = sampler.generate([turn2], params, seeds=[4], keys=["a"])  # "a" re-runs its whole prompt
+    fresh = HFSampler(tiny_model, tokenizer).generate([turn2], params, seeds=[4])
+    assert again[0].token_ids == fresh[0].token_ids and c[0].token_ids
+    with pytest.raises(KVBudgetError, match="over sampling.kv_budget_gb.*lower sampling.batch_size") as e:
+        sampler.generate(prompts * 2, params, seeds=[1, 2, 3, 4], keys=["w", "x", "y", "z"])
+    assert "\n" not in str(e.value)
+
+
+def test_store_grows_one_layer_at_a_time_and_keeps_its_rows():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3)
+    store = SlotStore(config, torch.float32, torch.device("cpu"), budget_bytes=None, grow_tokens=4)
+    store.place(["x"], [3])
+    store.k[1][0, :, :3] = 7.0
+    store.hold("x", [1, 2, 3])
+    store.place(["x", "y"], [9, 2])  # more slots and more positions
+    assert (store.slots, store.capacity) == (2, 12) and bool((store.k[1][0, :, :3] == 7.0).all())
+    assert store.reusable("x", [1, 2, 3, 4]) == 3 and store.reusable("x", [1, 2, 3]) == 0 and store.reusable("x", [9, 2, 3, 4]) == 0
+
+
+def test_row_uniforms_are_a_function_of_seed_and_index_only():
+    seeds = torch.tensor([0, 1, 2**40 + 5, 2**62 - 1])
+    u = row_uniforms(seeds, 3)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(u[2:3], row_uniforms(seeds[2:3], 3))  # alone or in a batch
+    assert not torch.equal(u, row_uniforms(seeds, 4))
+    # the values are pinned: a change of the noise source changes every seeded sample
+    assert row_uniforms(torch.tensor([12345, 7]), 0).tolist() == pytest.approx([0.12284095453103738, 0.7086193114347186], abs=1e-15)
+    many = row_uniforms(torch.arange(20000), 0)
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
+
+
 def test_length_buckets_bound_the_padding():
     from agentrl.sampling.hf import _length_buckets
 
@@ -170,3 +302,16 @@ def test_length_buckets_bound_the_padding():
     for b in buckets:
         real = sum(lengths[i] for i in b)
         assert len(b) * max(lengths[i] for i in b) - real <= 0.25 * real
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_equals_a_teacher_forced_forward(tiny_model, tokenizer, prompts):
+    model = copy.deepcopy(tiny_model).cuda()
+    sampler = HFSampler(model, tokenizer)
+    out = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[1, 2], keys=["a", "b"])
+    for p, c in zip(prompts, out):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + c.token_ids], device="cuda")).logits[0].float(), -1)
+        assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
+    cpu = HFSampler(tiny_model, tokenizer).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[1, 2])
+    assert [c.token_ids for c in out] == [c.token_ids for c in cpu]  # the same noise on every device

@@ -46,6 +46,16 @@ EnvWorkersOpt = Annotated[Optional[str], typer.Option(
 RayAddressOpt = Annotated[Optional[str], typer.Option(
     help="Run on Ray: local (start Ray here) | auto (join this machine's cluster) | HOST:PORT; env workers become actors.")]
 SamplerReplicasOpt = Annotated[Optional[int], typer.Option(help="Samplers, each a Ray actor on its own GPU (needs --ray-address).")]
+def _budget_value(value: str | None) -> float | str | None:
+    """--kv-budget-gb auto | GB: a number becomes a float; anything else is checked by the config."""
+    try:
+        return float(value) if value is not None and value != "auto" else value
+    except ValueError:
+        return value
+
+
+KVBudgetOpt = Annotated[Optional[str], typer.Option(
+    callback=_budget_value, help="The hf sampler's KV cache budget in GB, or auto (free memory less 3 GB); runs expected to need more are refused.")]
 DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).")]
 
 
@@ -86,6 +96,7 @@ def eval_cmd(
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
     sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory.")] = False,
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
@@ -96,7 +107,7 @@ def eval_cmd(
         "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
         "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
         "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers, "cluster.ray_address": ray_address,
-        "sampling.replicas": sampler_replicas,
+        "sampling.replicas": sampler_replicas, "sampling.kv_budget_gb": kv_budget_gb,
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.eval.max_steps or cfg.env.max_steps
@@ -156,6 +167,7 @@ def rollout_cmd(
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
     sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (default 0.7).")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
@@ -177,6 +189,7 @@ def rollout_cmd(
         "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
         "env.workers": env_workers, "cluster.ray_address": ray_address, "sampling.replicas": sampler_replicas,
+        "sampling.kv_budget_gb": kv_budget_gb,
     })
     the_gate = cfg.rollout.parsed_gate()
     if tier1_ab and the_gate is None:
@@ -184,6 +197,9 @@ def rollout_cmd(
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     with err.status("loading model"):
         games = load_games(cfg)
+        from agentrl.sampling.kv import check_kv_fits
+
+        check_kv_fits(cfg, len(games) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
         policy = make_policy(cfg)
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     with progress_bar() as bar:
@@ -273,6 +289,8 @@ def train_cmd(
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
     sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
+    sampler_batch_size: Annotated[Optional[int], typer.Option(help="Trajectories per sampler forward (the live ones are chunked); lower it when one chunk cannot fit the KV budget.")] = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
@@ -300,15 +318,16 @@ def train_cmd(
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers, "cluster.ray_address": ray_address,
         "sampling.replicas": sampler_replicas, "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
+        "sampling.kv_budget_gb": kv_budget_gb, "sampling.batch_size": sampler_batch_size,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
         may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers", "cluster.ray_address",
-                      "sampling.replicas")
+                      "sampling.replicas", "sampling.kv_budget_gb", "sampling.batch_size")
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
-            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address and --sampler-replicas "
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb and --sampler-batch-size "
                             f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
         run = resume
         cfg = prepare_run(resume, None, resume=True, force=False, overrides={k: overrides[k] for k in may_change})
@@ -323,6 +342,11 @@ def train_cmd(
     from agentrl.train.loop import TaskSampler
 
     resolve_model(cfg.model.name)  # bad input is refused before the run directory is written
+    from agentrl.sampling.kv import check_kv_fits
+
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
+    check_kv_fits(cfg, cfg.train.eval_tasks, cfg.train.eval_max_steps or t_max, "train's held-out eval")
     if cfg.train.init_adapter:
         from agentrl.models import check_lora_adapter
 

@@ -83,6 +83,9 @@ class SamplingConfig:
     max_model_len: int | None = None  # vllm: longest prompt + completion in tokens (None: the model's own limit)
     max_loras: int = 2  # vllm: LoRA adapters resident at once (the current version and the one being swapped in)
     replicas: int = 1  # samplers, each a Ray actor on its own GPU (CPU without one); > 1 needs --ray-address
+    # hf: the KV store's budget in GB; auto: 85% of free memory (MemAvailable, or the GPU's free memory)
+    # less 3 GB for everything else. A run expected to need more is refused before it starts.
+    kv_budget_gb: float | str = "auto"
 
 
 @dataclass
@@ -282,6 +285,9 @@ class Config:
              "instead; use 0 (greedy) or >= 0.01"),
             (self.sampling.max_model_len is None or self.sampling.max_model_len >= 1, f"sampling.max_model_len must be >= 1, got {self.sampling.max_model_len}"),
             (self.sampling.max_loras >= 1, f"sampling.max_loras must be >= 1, got {self.sampling.max_loras}"),
+            (self.sampling.kv_budget_gb == "auto" or (not isinstance(self.sampling.kv_budget_gb, (str, bool))
+                                                      and self.sampling.kv_budget_gb > 0),
+             f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {self.sampling.kv_budget_gb!r}"),
             (self.eval.split in SPLITS, f"unknown split {self.eval.split!r}; choose one of {', '.join(SPLITS)}"),
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),

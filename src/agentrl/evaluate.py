@@ -74,6 +74,10 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
 def prepare_eval(cfg: Config, sampler=None):
     """(games, policy): everything that can fail on bad input, before any episode runs."""
     games = find_games(cfg.env.kind, cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
+    if cfg.eval.policy == "model" and sampler is None:  # every game is stepped together: its KV must fit
+        from agentrl.sampling.kv import check_kv_fits
+
+        check_kv_fits(cfg, len(games), cfg.eval.max_steps or cfg.env.max_steps, "eval")
     return games, build_policy(cfg, sampler)
 
 

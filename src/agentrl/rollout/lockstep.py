@@ -95,6 +95,11 @@ class ModelPolicy:
     def observe(self, traj: Trajectory, observation: str) -> None:
         traj.append(self.renderer.observation(observation, self._stopped.pop(id(traj), False)), generated=False)
 
+    def finish(self, trajs: list[Trajectory]) -> None:
+        """These trajectories ended: the sampler frees what it kept for them (their KV slots)."""
+        if trajs:
+            self.sampler.release([(t.game.game_id, t.index) for t in trajs])
+
 
 class WalkthroughPolicy:
     """Replays each game's own expert walkthrough (checks an ALFWorld install: must win every game)."""
@@ -110,6 +115,9 @@ class WalkthroughPolicy:
         return out
 
     def observe(self, traj: Trajectory, observation: str) -> None:
+        pass
+
+    def finish(self, trajs: list[Trajectory]) -> None:
         pass
 
 
@@ -264,6 +272,7 @@ def run_lockstep(
                 grp.signals[K] = group_signals(grp, K)
         grp.wall_s = grp.wall_s or time.perf_counter() - wall
     backend.release(sorted(live_envs))
+    policy.finish([t for t in trajs if id(t) not in ctx.finished])  # gate cuts, context_full, max_steps 0
     stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
     stats.wall_s = time.perf_counter() - wall
     return Rollout(groups, stats)
@@ -294,6 +303,7 @@ class _Context:
     stages: list
     signal_steps: tuple[int, ...]
     wall: float
+    finished: set = field(default_factory=set)  # ids of trajectories the policy was told ended
 
     def apply_resets(self, ks: list[int], results: list, spent_each: float) -> None:
         from agentrl.env.pool import EnvFailure
@@ -372,6 +382,8 @@ class _Context:
                     stage.at_step(step, grp)
         finished = [k for k in wave.members if k in self.live_envs and self.trajs[k].done]
         self.backend.release(finished)  # a finished trajectory's game is released at once (not waited for)
+        self.policy.finish([self.trajs[k] for k in finished])  # and its sampler state (KV slot)
+        self.finished.update(id(self.trajs[k]) for k in finished)
         self.live_envs.difference_update(finished)
         now = time.perf_counter() - self.wall
         for grp in wave.groups:

@@ -49,6 +49,11 @@ class Sampler(Protocol):
         """Use the PEFT adapter in `path` from now on; the base model stays loaded."""
         ...
 
+    def release(self, keys: list) -> None:
+        """The sequences named by `keys` are over (their trajectories ended): a backend that keeps
+        per-key state (the hf sampler's KV slots) frees it at once. A no-op where there is none."""
+        ...
+
     def sleep(self) -> None:
         """Give accelerator memory back while a learner on the same device updates; the next
         generate or load_adapter takes it again. A no-op where there is nothing to give."""

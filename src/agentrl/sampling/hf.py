@@ -1,9 +1,19 @@
-"""transformers sampler: batched, left-padded decoding with a KV cache and per-row seeds.
+"""transformers sampler: the slot KV engine, a device-side token loop, per-row seeds.
 
-We decode with our own loop rather than `model.generate` because the contract needs
-per-sequence seeds (trajectory i of a task samples the same tokens whatever else is in the
-batch) and the raw log-prob of every generated token. Finished rows leave the batch (their
-cache rows are dropped), so one long answer does not make the others pay.
+We decode with our own loop rather than `model.generate` because the contract needs per-row
+seeds (trajectory i of a task samples the same tokens whatever else is in the batch), the raw
+log-prob of every generated token, and KV reuse across the turns of a trajectory.
+
+- Memory: every live trajectory owns a slot of one KV store (`kv.SlotStore`): a turn writes
+  its new tokens after the cached prefix, a finished trajectory's slot is reused at once.
+- Attention: transformers' own model code with a registered attention function over the slot
+  rows (per-row lengths, query heads grouped per KV head).
+- The token loop keeps everything on the device: log-probs gathered there, stop tokens found
+  with `isin`, finished rows stay in the batch (masked) and the batch is compacted only at
+  sync points (every `sync_every` tokens); the results come to the host in one transfer.
+- Sampling is batched and reproducible per row: each row draws one uniform per token from a
+  counter-based hash of (its seed, the token's index) and inverts its own CDF, so a row's
+  tokens depend on its seed and its own logits only, never on its neighbours in the batch.
 """
 
 from __future__ import annotations
@@ -11,10 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.sampling.kv import SlotStore, kv_budget_bytes, servable_length, use_slot_attention
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
@@ -28,20 +38,22 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
 
 
 class HFSampler:
-    def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None):
+    def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
+                 kv_budget_gb: float | str | None = "auto", sync_every: int = 8):
+        self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.sync_every = sync_every
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
-        self._kv: dict = {}  # key -> (ids fed to the model, per-layer (k, v) without pads)
-        self._kv_older: dict = {}  # caches of keys the last call did not continue
+        param = next(model.parameters())
+        self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device))
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
-        # longest prompt + completion: the model's position limit (the rollout ends episodes before it)
-        self.max_model_len: int | None = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        self._anonymous = 0
         if adapter:
             self.load_adapter(adapter, version=0)
 
@@ -54,11 +66,16 @@ class HFSampler:
             from agentrl.models import load_model
 
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
-        return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter)
+        return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
+                   kv_budget_gb=cfg.sampling.kv_budget_gb)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def _stop_tensor(self) -> torch.Tensor:
+        return torch.tensor(sorted(self.stop_ids), device=self.device)
 
     def load_adapter(self, path: str, version: int | None = None) -> None:
         from peft import PeftModel
@@ -83,227 +100,245 @@ class HFSampler:
             raise UserError(f"adapter {p} does not fit the base model: {first}") from None
         self.model.eval()
         self.adapter_version = version
-        self._kv, self._kv_older = {}, {}  # caches computed with the old weights are stale
+        self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
+
+    def release(self, keys) -> None:
+        """The sequences named by `keys` are over: their slots are free for the next ones."""
+        self.store.release(list(keys))
 
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
     ) -> list[Completion]:
-        """`keys[i]` names the sequence prompt i continues (e.g. a trajectory): its KV cache from the
-        previous call is reused when that call's ids are a prefix of the prompt, so a multi-turn
-        step prefills only the new observation. A key's cache lives until it misses two calls in a
-        row (the rollout alternates two waves of trajectories)."""
+        """`keys[i]` names the sequence prompt i continues (e.g. a trajectory): its cached tokens are
+        reused when they are a prefix of the prompt, so a multi-turn step runs only the new
+        observation. A key lives until `release`d, or until it misses two calls in a row (callers
+        that never release; the rollout's two waves take turns)."""
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError("one seed per prompt")
         if keys is not None and len(keys) != len(prompts):
             raise ValueError("one key per prompt")
-        previous = {**self._kv_older, **self._kv}
-        continued = set(keys or ())
-        self._kv_older = {k: v for k, v in self._kv.items() if k not in continued}
-        self._kv = {}
-        out: list[Completion] = []
-        for start in range(0, len(prompts), self.batch_size):
-            end = start + self.batch_size
-            chunk_seeds = None if seeds is None else seeds[start:end]
-            chunk_keys = None if keys is None else keys[start:end]
-            out.extend(self._generate_batch(prompts[start:end], params, chunk_seeds, chunk_keys, previous))
-        return out
-
-    def _reusable(self, prompt: list[int], key, previous: dict) -> tuple[int, list | None]:
-        entry = previous.get(key) if key is not None else None
-        if entry is None:
-            return 0, None
-        ids, kv = entry
-        if len(ids) < len(prompt) and prompt[: len(ids)] == ids:
-            return len(ids), kv
-        return 0, None
-
-    def _generate_batch(self, prompts, params: SamplingParams, seeds, keys, previous) -> list[Completion]:
-        n, device = len(prompts), self.device
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        reuse = [self._reusable(p, None if keys is None else keys[i], previous) for i, p in enumerate(prompts)]
-        logits, cache, attention = self._prefill(prompts, reuse, room=params.max_new_tokens)
-        step_pos = torch.tensor([[len(p) - 1] for p in prompts], device=device)
-        generators = None
-        if not params.greedy:
-            generators = [torch.Generator(device=device) for _ in range(n)]
-            for g, s in zip(generators, seeds if seeds is not None else torch.randint(0, 2**62, (n,)).tolist()):
-                g.manual_seed(int(s))
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        names = self._names(keys, len(prompts))
+        self.store.calls += 1
+        self.store.release([k for k in self.store.stale() if k not in set(names)])
+        out: list[Completion] = []
+        try:
+            with use_slot_attention(self.model):
+                for start in range(0, len(prompts), self.batch_size):
+                    end = start + self.batch_size
+                    out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end]))
+        finally:
+            self.store.release([n for n in names if isinstance(n, _Anonymous)])
+        return out
 
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reason = ["length"] * n
-        active = list(range(n))  # original row index of each row still in the batch
-        for _ in range(params.max_new_tokens):
-            raw_logp = torch.log_softmax(logits, dim=-1)
-            chosen = self._choose(logits, params, [generators[i] for i in active] if generators else None)
-            keep = []
-            for row, orig in enumerate(active):
-                tok = int(chosen[row])
-                tokens[orig].append(tok)
-                logps[orig].append(float(raw_logp[row, tok]))
-                if tok in self.stop_ids:
-                    reason[orig] = "stop"
-                else:
-                    keep.append(row)
-            if len(tokens[active[0]]) == params.max_new_tokens:
-                keep = []  # budget spent: every row leaves
-            if keys is not None:
-                for row in set(range(len(active))) - set(keep):
-                    self._save(keys[active[row]], prompts[active[row]] + tokens[active[row]][:-1], cache, attention, row)
-            if not keep:
+    def _names(self, keys, n: int) -> list:
+        """Each row's key in the store; rows without one (or a repeated one) get a key of their own for this call."""
+        names, seen = [], set()
+        for i in range(n):
+            k = None if keys is None else keys[i]
+            if k is None or k in seen:
+                self._anonymous += 1
+                k = _Anonymous(self._anonymous)
+            seen.add(k)
+            names.append(k)
+        return names
+
+    # ------------------------------------------------------------------ one batch
+
+    def _generate_batch(self, prompts, params: SamplingParams, seeds, names) -> list[Completion]:
+        n, device, store = len(prompts), self.device, self.store
+        cached = [store.reusable(k, p) for k, p in zip(names, prompts)]
+        self.reused_tokens += sum(cached)
+        slots = store.place(names, [len(p) + params.max_new_tokens for p in prompts])
+        for k, c, p in zip(names, cached, prompts):
+            store.hold(k, p[:c])
+        logits = self._prefill(prompts, cached, slots)
+        for k, p in zip(names, prompts):
+            store.hold(k, list(p))
+
+        # decode: rows in slot order, so a batch in consecutive slots reads the store as a view
+        order = sorted(range(n), key=lambda i: slots[i])
+        row_slots = torch.tensor([slots[i] for i in order], device=device)
+        logits = logits[torch.tensor(order, device=device)]
+        seed_t = torch.tensor([int(seeds[i]) & ((1 << 63) - 1) for i in order], dtype=torch.long, device=device)
+        pos = torch.tensor([len(prompts[i]) for i in order], dtype=torch.long, device=device)  # position of the next token
+        T = params.max_new_tokens
+        tokens = torch.zeros((n, T), dtype=torch.long, device=device)
+        logps = torch.zeros((n, T), dtype=torch.float32, device=device)
+        length = torch.full((n,), T, dtype=torch.long, device=device)  # tokens up to and including the stop token
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        stop = self._stop_tensor
+        active = torch.arange(n, device=device)  # rows still run through the model
+        span = _span([slots[i] for i in order])
+        longest = max(len(p) for p in prompts)  # the longest active prompt (host side: no sync per token)
+        for t in range(T):
+            raw = torch.log_softmax(logits, dim=-1)
+            chosen = _choose(logits, params, seed_t[active], t)
+            tokens[active, t] = chosen
+            logps[active, t] = raw.gather(1, chosen[:, None]).squeeze(1)
+            newly = torch.isin(chosen, stop) & ~done[active]
+            length[active] = torch.where(newly, t + 1, length[active])
+            done[active] |= newly
+            if t == T - 1:
                 break
-            if len(keep) < len(active):
-                idx = torch.tensor(keep, device=device)
-                cache.batch_select_indices(idx)
-                attention, chosen, step_pos = attention[idx], chosen[idx], step_pos[idx]
-                active = [active[r] for r in keep]
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            step_pos = step_pos + 1
-            logits = self.model(
-                input_ids=chosen.view(-1, 1), attention_mask=attention, position_ids=step_pos,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1].float()
-        return [
-            Completion(
-                prompt_ids=list(prompts[i]),
-                token_ids=tokens[i],
-                logprobs=logps[i],
-                text=self.tokenizer.decode(tokens[i], skip_special_tokens=True),
-                finish_reason=reason[i],
-                adapter_version=self.adapter_version,
-            )
-            for i in range(n)
-        ]
+            if (t + 1) % self.sync_every == 0:  # the only host syncs of the loop
+                alive = (~done).nonzero().squeeze(1)
+                if alive.numel() == 0:
+                    break
+                if alive.numel() <= active.numel() // 2:  # most rows finished: stop paying for them
+                    keep = (~done[active]).nonzero().squeeze(1)
+                    chosen, active = chosen[keep], active[keep]
+                    span = _span(row_slots[active].tolist())
+                    longest = max(len(prompts[order[r]]) for r in active.tolist())
+            logits = self._forward(chosen[:, None], (pos[active] + t)[:, None], row_slots[active], span,
+                                   write_from=None, kv_len=longest + t + 1)
+        tokens, logps, length = tokens.cpu(), logps.cpu(), length.cpu()  # one transfer per batch
 
-    def _prefill(self, prompts, reuse, room: int):
-        """Run each prompt's new tokens through the model and stack the rows, left-padded, into one
-        cache for decoding with `room` free positions per row. Rows are batched by new-token length
-        (a bucket pads at most a quarter of its real tokens): each row's new tokens sit right after
-        its own cached prefix, pads go between the two and the attention mask skips them, so a
-        bucket is one forward however its rows' cached lengths differ. Identical prompts (the G
-        rows of a group at step 1) are run once and shared.
-        Returns (last-position logits [n, V], cache, attention mask [n, W])."""
-        from transformers import DynamicCache
+        out: list[Completion | None] = [None] * n
+        for r, i in enumerate(order):
+            m = int(length[r])
+            ids = tokens[r, :m].tolist()
+            reason = "stop" if ids[-1] in self.stop_ids else "length"
+            store.hold(names[i], list(prompts[i]) + ids[:-1])  # the last token's keys are not computed yet
+            out[i] = Completion(prompt_ids=list(prompts[i]), token_ids=ids, logprobs=logps[r, :m].tolist(),
+                                text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason,
+                                adapter_version=self.adapter_version)
+        return out
 
+    def _prefill(self, prompts, cached, slots) -> torch.Tensor:
+        """Run each row's new tokens (after its cached prefix) through the model into its slot; return
+        the last position's logits [n, V]. Rows are batched by new-token length (a bucket pads at most
+        a quarter of its real tokens; pads come first and are neither written nor attended), and rows
+        that share a fresh prompt (a group's G trajectories at step 1) run it once: the others copy it."""
         device = self.device
-        self.reused_tokens += sum(c for c, _ in reuse)
-        first: dict[tuple, int] = {}  # (prompt, cached length) -> the row that runs it
-        for i, (c, _) in enumerate(reuse):
-            first.setdefault((tuple(prompts[i]), c), i)
-        runs = sorted(first.values(), key=lambda i: len(prompts[i]) - reuse[i][0])
-        row_logits, row_kv = {}, {}
-        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - reuse[i][0]):
-            cached = [reuse[i][0] for i in bucket]
-            new = [len(prompts[i]) - c for i, c in zip(bucket, cached)]
-            W, M = max(cached), max(new)
-            ids = torch.full((len(bucket), M), self.pad_id, dtype=torch.long)
-            pos = torch.zeros((len(bucket), M), dtype=torch.long)
-            attention = torch.zeros((len(bucket), W + M), dtype=torch.long)
-            for j, (i, c, m) in enumerate(zip(bucket, cached, new)):
-                ids[j, M - m :] = torch.tensor(prompts[i][c:])
-                pos[j, M - m :] = torch.arange(c, c + m)
-                attention[j, W - c : W] = 1
-                attention[j, W + M - m :] = 1
+        first: dict[tuple, int] = {}
+        for i, (p, c) in enumerate(zip(prompts, cached)):
+            if c == 0:
+                first.setdefault(tuple(p), i)
+        runner = [first[tuple(p)] if c == 0 else i for i, (p, c) in enumerate(zip(prompts, cached))]
+        runs = sorted(set(runner), key=lambda i: len(prompts[i]) - cached[i])
+        row_logits: dict[int, torch.Tensor] = {}
+        heads = self.model.config.get_text_config().num_attention_heads
+
+        def fits(rows: list[int]) -> bool:  # a bucket's attention scores (fp32, every query head) stay under 256 MB
+            new, kv = max(len(prompts[i]) - cached[i] for i in rows), max(len(prompts[i]) for i in rows)
+            return len(rows) * new * kv * heads * 4 <= 256 << 20
+
+        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
+            new = [len(prompts[i]) - cached[i] for i in bucket]
+            b, M = len(bucket), max(new)
+            ids = torch.full((b, M), self.pad_id, dtype=torch.long)
+            qpos = torch.zeros((b, M), dtype=torch.long)
+            w_slot, w_pos, w_from = [], [], []
+            for j, (i, m) in enumerate(zip(bucket, new)):
+                c = cached[i]
+                ids[j, M - m:] = torch.tensor(prompts[i][c:])
+                qpos[j, M - m:] = torch.arange(c, c + m)
+                w_slot += [slots[i]] * m
+                w_pos += range(c, c + m)
+                w_from += range(j * M + M - m, j * M + M)
             self.prefill_tokens += sum(new)
-            self.prefill_pad_tokens += len(bucket) * M - sum(new)
-            past = None
-            if W:
-                past, shapes = [], next(reuse[i][1] for i in bucket if reuse[i][0])
-                for layer, (k0, v0) in enumerate(shapes):
-                    k = k0.new_zeros((len(bucket), k0.shape[1], W, k0.shape[3]))
-                    v = v0.new_zeros((len(bucket), v0.shape[1], W, v0.shape[3]))
-                    for j, (i, c) in enumerate(zip(bucket, cached)):
-                        if c:
-                            k[j, :, W - c :] = reuse[i][1][layer][0][0]
-                            v[j, :, W - c :] = reuse[i][1][layer][1][0]
-                    past.append((k, v))
-            cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
-            attention = attention.to(device)
-            out = self.model(input_ids=ids.to(device), attention_mask=attention, position_ids=pos.to(device),
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.prefill_pad_tokens += b * M - sum(new)
+            t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            out = self._forward(ids.to(device), qpos.to(device), t([slots[i] for i in bucket]), _span([slots[i] for i in bucket]),
+                                write=(t(w_slot), t(w_pos)), write_from=None if b * M == len(w_from) else t(w_from),
+                                kv_len=max(len(prompts[i]) for i in bucket))
             for j, i in enumerate(bucket):
-                row_logits[i] = out.logits[j, -1].float()
-                keep = attention[j].nonzero().squeeze(-1)
-                row_kv[i] = [(layer.keys[j, :, keep], layer.values[j, :, keep]) for layer in cache.layers]
-        runner = [first[(tuple(p), c)] for p, (c, _) in zip(prompts, reuse)]
-        width = max(len(p) for p in prompts)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            attention[i, width - len(p) :] = 1
-        layers = []
-        for layer, (k0, v0) in enumerate(row_kv[runner[0]]):
-            k = k0.new_zeros((len(prompts), k0.shape[0], width + room, k0.shape[2]))
-            v = v0.new_zeros((len(prompts), v0.shape[0], width + room, v0.shape[2]))
-            for i, p in enumerate(prompts):
-                k[i, :, width - len(p) : width] = row_kv[runner[i]][layer][0]
-                v[i, :, width - len(p) : width] = row_kv[runner[i]][layer][1]
-            layers.append(_RoomyLayer(k, v, width))
-        return torch.stack([row_logits[r] for r in runner]), Cache(layers=layers), attention
+                row_logits[i] = out[j]
+        for i, r in enumerate(runner):
+            if r != i:
+                self.store.copy_slot(slots[r], slots[i], len(prompts[i]))
+        return torch.stack([row_logits[r] for r in runner])
 
-    def _save(self, key, fed_ids: list[int], cache, attention: torch.Tensor, row: int) -> None:
-        """Keep one row's cache, pads removed, for the next call on the same key."""
-        idx = attention[row].nonzero().squeeze(-1)
-        kv = [(layer.keys[row : row + 1, :, idx].clone(), layer.values[row : row + 1, :, idx].clone()) for layer in cache.layers]
-        assert kv[0][0].shape[2] == len(fed_ids), (kv[0][0].shape, len(fed_ids))
-        self._kv[key] = (list(fed_ids), kv)
-
-    @staticmethod
-    def _choose(logits: torch.Tensor, params: SamplingParams, generators) -> torch.Tensor:
-        if params.greedy:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        picks = [torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)]
-        return torch.cat(picks)
+    def _forward(self, ids, qpos, row_slots, span, write_from, kv_len, write=None) -> torch.Tensor:
+        """One forward of `ids` [b, M] at positions `qpos` over the rows' slots; returns the last position's logits."""
+        if write is None:  # a decode step: each row writes its one token at its position
+            write = (row_slots, qpos[:, 0])
+        keys = torch.arange(kv_len, device=ids.device)
+        mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, kv_len]: causal, per-row length
+        self.store.begin(row_slots, span, write[0], write[1], write_from, kv_len)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, past_key_values=self.store,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
 
 
-def _length_buckets(rows: list[int], length, waste: float = 0.25) -> list[list[int]]:
+class _Anonymous:
+    """The key of a row the caller did not name: released when its call ends."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+
+def _span(slots: list[int]) -> int | None:
+    """The first slot when `slots` are consecutive and ascending (the store is read as a view), else None."""
+    if slots and all(b == a + 1 for a, b in zip(slots, slots[1:])):
+        return slots[0]
+    return None
+
+
+# ---------------------------------------------------------------- sampling
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32), in int64 without overflow (16-bit halves of c)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return ((x * lo) + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32, C. Wellons): every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in (0, 1) per row, a pure function of (seed, token index t): 48 bits from two hashes
+    (float64). The same on every device and whatever the batch."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(seeds, t) ^ 0x9E3779B9)))
+    a = _mix32(key ^ 0x85EBCA6B) >> 8  # 24 bits
+    b = _mix32(key ^ 0xC2B2AE35) >> 8  # 24 more
+    return ((a * (1 << 24) + b).double() + 0.5) / float(1 << 48)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """The next token of every row: argmax (greedy), else inverse-CDF sampling of softmax(logits / T)
+    (top-p: the smallest set of most likely tokens reaching top_p) with the row's own uniform."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    order = None
+    if params.top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > params.top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    u = row_uniforms(seeds, t) * cdf[:, -1]
+    # the first token whose CDF reaches u: never one of zero probability (u > 0, flat steps are skipped)
+    pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+    return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
+
+
+def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25) -> list[list[int]]:
     """Split rows sorted by length into runs that each pad at most `waste` of their real tokens
-    when padded to their longest row."""
+    when padded to their longest row (and, given `fits(rows)`, stay small enough)."""
     buckets: list[list[int]] = []
     for i in rows:
         if buckets:
             b = buckets[-1]
             total = sum(length(r) for r in b) + length(i)
-            if (len(b) + 1) * length(i) - total <= waste * total:
+            if (len(b) + 1) * length(i) - total <= waste * total and (fits is None or fits(b + [i])):
                 b.append(i)
                 continue
         buckets.append([i])
     return buckets
-
-
-class _RoomyLayer(DynamicLayer):
-    """A cache layer whose keys and values sit in a buffer with room for the tokens still to be
-    decoded: each decode step writes its column in place, where DynamicLayer copies the whole
-    cache (torch.cat) at every token, the largest cost of CPU decoding after the matmuls."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        super().__init__()
-        self._k, self._v, self.length = keys, values, length
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._views()
-
-    def _views(self) -> None:
-        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        m = key_states.shape[-2]
-        if self.length + m > self._k.shape[2]:  # out of room: grow like DynamicLayer
-            self._k = torch.cat([self.keys, key_states], dim=-2)
-            self._v = torch.cat([self.values, value_states], dim=-2)
-        else:
-            self._k[:, :, self.length : self.length + m] = key_states
-            self._v[:, :, self.length : self.length + m] = value_states
-        self.length += m
-        self._views()
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices], self._v[indices]
-        self._views()

@@ -50,6 +50,9 @@ class SamplerReplica:
     def sleep(self) -> None:
         self.sampler.sleep()
 
+    def release(self, keys) -> None:
+        self.sampler.release(keys)
+
     def describe(self) -> dict:
         import os
 
@@ -136,6 +139,12 @@ class ReplicatedSampler:
 
     def sleep(self) -> None:
         self._get([r.sleep.remote() for r in self.replicas], "sleep")
+
+    def release(self, keys) -> None:
+        share: dict[int, list] = {}
+        for key in keys:  # each key lives on the replica its task was given to
+            share.setdefault(self._replica(key, 0), []).append(key)
+        self._get([self.replicas[r].release.remote(ks) for r, ks in share.items()], "release")
 
     def close(self) -> None:
         import ray

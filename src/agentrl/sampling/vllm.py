@@ -154,6 +154,9 @@ class VLLMSampler:
 
     # ---------------------------------------------------------------- memory
 
+    def release(self, keys) -> None:
+        """Nothing to free: vLLM's prefix cache manages its own blocks."""
+
     def sleep(self) -> None:
         """Give the GPU back while a colocated learner updates (level 1: weights to CPU memory, KV
         cache dropped, which a new adapter makes stale anyway). No-op without sleep mode."""
