@@ -37,3 +37,14 @@ def test_a_failing_section_is_reported_and_the_others_still_run():
     assert "| rollout | **failed** after" in md and "| vllm | skipped: vLLM does not import here |" in md
     assert '| throughput | wall_s ' in md and 'tokens_per_s_by_batch {"1": 12.5}' in md and "trace" not in md
     json.dumps(report)  # what gpu_check.json holds
+
+
+def test_the_training_shaped_lockstep_section_runs(tiny_model, tokenizer):
+    """The section `doctor --gpu` measures an H100 with (128 rows x ~2k tokens, 30 new), at tiny size here."""
+    from agentrl.gpucheck import _lockstep
+    from agentrl.sampling.hf import HFSampler
+
+    sampler = HFSampler(tiny_model, tokenizer)
+    r = _lockstep(sampler, tokenizer, {"shape": (3, 64, 4, 2)})
+    assert r["rows"] == 3 and r["s_per_step"] > 0 and r["tokens_per_s"] > 0 and r["kv_store_gb"] >= 0
+    assert sampler.store.live == 0 and sampler.stop_ids  # its rows released, the stop tokens restored

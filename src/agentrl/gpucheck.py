@@ -3,6 +3,9 @@
 Sections (each timed; one that fails is reported and the others still run):
 - throughput: sampler tokens/s at batch 1, 8, 64, 256 (stop tokens off, so every row decodes
   the full length);
+- lockstep: the training-shaped sampler step: 128 rows with ~2k-token contexts each continue by
+  ~50 observation tokens and decode 30 new tokens (KV reused across steps), seconds per step and
+  peak GPU memory;
 - rollout: the lockstep rollout on real train games, B x G = 10 x 8, seconds per step;
 - learner: one update on that rollout (tokens/s and the sampler-learner log-prob gap on real
   trajectories), the swap (save + load, LoRA rank 16), then a rollout with the non-zero adapter
@@ -29,9 +32,9 @@ from agentrl.config import load_config
 
 def _sizes(quick: bool) -> dict:
     if quick:
-        return dict(batches=(1, 4), new_tokens=8, tasks=2, group=2, steps=3, synth_iterations=1, sft_games=6,
+        return dict(batches=(1, 4), new_tokens=8, shape=(4, 256, 8, 2), tasks=2, group=2, steps=3, synth_iterations=1, sft_games=6,
                     real_iterations=1, real_tasks=2, real_group=2, eval_tasks=2, reply_tokens=16, micro_batch=1)
-    return dict(batches=(1, 8, 64, 256), new_tokens=64, tasks=10, group=8, steps=10, synth_iterations=3, sft_games=60,
+    return dict(batches=(1, 8, 64, 256), new_tokens=64, shape=(128, 2048, 30, 4), tasks=10, group=8, steps=10, synth_iterations=3, sft_games=60,
                 real_iterations=2, real_tasks=8, real_group=8, eval_tasks=20, reply_tokens=96, micro_batch=4)
 
 
@@ -55,6 +58,7 @@ def run_gpu_check(out: Path, device: str = "cuda", quick: bool = False, log=prin
     state: dict = {}
 
     section("throughput", lambda: _throughput(sampler, tokenizer, size))
+    section("lockstep", lambda: _lockstep(sampler, tokenizer, size))
     section("rollout", lambda: _rollout(base_cfg, sampler, size, state))
     section("learner", lambda: _learner(base_cfg, sampler, size, state, out))
     section("train_synthetic", lambda: _train(out / "synthetic", device, None, size["synth_iterations"], synthetic=True))
@@ -134,6 +138,49 @@ def _throughput(sampler, tokenizer, size) -> dict:
     finally:
         sampler.stop_ids = stops
     return {"tokens_per_s_by_batch": rows, "new_tokens": size["new_tokens"]}
+
+
+def _lockstep(sampler, tokenizer, size) -> dict:
+    """The shape of a training step (not 25-token prompts): `rows` trajectories of ~`context` tokens
+    each append an observation and decode `new` tokens, `steps` times, with their KV kept."""
+    import torch
+
+    from agentrl.sampling.base import SamplingParams
+
+    rows, context, new, steps = size["shape"]
+    text = ("You arrive at countertop 2. On the countertop 2, you see a butterknife 1, a cellphone 2, a mug 3, "
+            "a peppershaker 1, and a spatula 2. ")
+    unit = tokenizer(text, add_special_tokens=False).input_ids
+    obs = tokenizer("You open the drawer 1. The drawer 1 is open. In it, you see a creditcard 2 and a pen 1.",
+                    add_special_tokens=False).input_ids
+    prompts = [(unit * (context // len(unit) + 1))[: context - (r % 97)] for r in range(rows)]  # distinct lengths
+    params = SamplingParams(temperature=1.0, max_new_tokens=new)
+    keys = list(range(rows))
+    stops, sampler.stop_ids = sampler.stop_ids, set()  # every row decodes the full length
+    cuda = torch.cuda.is_available() and sampler.device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        _sync()
+        t0 = time.perf_counter()
+        out = sampler.generate(prompts, params, seeds=keys, keys=keys)  # the first step prefills every context
+        _sync()
+        first = time.perf_counter() - t0
+        times = []
+        for step in range(steps):
+            prompts = [p + c.token_ids + obs for p, c in zip(prompts, out)]
+            _sync()
+            t0 = time.perf_counter()
+            out = sampler.generate(prompts, params, seeds=[step * rows + k for k in keys], keys=keys)
+            _sync()
+            times.append(time.perf_counter() - t0)
+    finally:
+        sampler.stop_ids = stops
+        sampler.release(keys)
+    return {"rows": rows, "context_tokens": context, "new_tokens": new, "first_step_s": round(first, 3),
+            "s_per_step": round(sum(times) / len(times), 3), "tokens_per_s": round(rows * new / (sum(times) / len(times)), 1),
+            "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "kv_store_gb": round(sampler.store.peak_bytes / 2**30, 2)}
 
 
 def _rollout(cfg, sampler, size, state) -> dict:

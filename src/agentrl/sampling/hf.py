@@ -9,8 +9,9 @@ log-prob of every generated token, and KV reuse across the turns of a trajectory
 - Attention: transformers' own model code with a registered attention function over the slot
   rows (per-row lengths, query heads grouped per KV head).
 - The token loop keeps everything on the device: log-probs gathered there, stop tokens found
-  with `isin`, finished rows stay in the batch (masked) and the batch is compacted only at
-  sync points (every `sync_every` tokens); the results come to the host in one transfer.
+  with `isin`, finished rows stay in the batch (masked) until a sync point (every token on a
+  CPU, where a sync is free; every 8 on a GPU), where they leave it by swapping slots with
+  running rows, so the batch stays in consecutive slots; results come to the host in one transfer.
 - Sampling is batched and reproducible per row: each row draws one uniform per token from a
   counter-based hash of (its seed, the token's index) and inverts its own CDF, so a row's
   tokens depend on its seed and its own logits only, never on its neighbours in the batch.
@@ -39,12 +40,12 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
 
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
-                 kv_budget_gb: float | str | None = "auto", sync_every: int = 8):
+                 kv_budget_gb: float | str | None = "auto", sync_every: int | None = None):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.sync_every = sync_every
+        self.sync_every = sync_every  # tokens between host syncs (None: every token on a CPU, 8 on a GPU)
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
@@ -162,40 +163,45 @@ class HFSampler:
 
         # decode: rows in slot order, so a batch in consecutive slots reads the store as a view
         order = sorted(range(n), key=lambda i: slots[i])
-        row_slots = torch.tensor([slots[i] for i in order], device=device)
+        row_slots = [slots[i] for i in order]
+        prompt_len = [len(prompts[i]) for i in order]
         logits = logits[torch.tensor(order, device=device)]
         seed_t = torch.tensor([int(seeds[i]) & ((1 << 63) - 1) for i in order], dtype=torch.long, device=device)
-        pos = torch.tensor([len(prompts[i]) for i in order], dtype=torch.long, device=device)  # position of the next token
+        pos = torch.tensor(prompt_len, dtype=torch.long, device=device)  # position of each row's first new token
         T = params.max_new_tokens
         tokens = torch.zeros((n, T), dtype=torch.long, device=device)
         logps = torch.zeros((n, T), dtype=torch.float32, device=device)
         length = torch.full((n,), T, dtype=torch.long, device=device)  # tokens up to and including the stop token
         done = torch.zeros(n, dtype=torch.bool, device=device)
+        last = torch.zeros(n, dtype=torch.long, device=device)
         stop = self._stop_tensor
-        active = torch.arange(n, device=device)  # rows still run through the model
-        span = _span([slots[i] for i in order])
-        longest = max(len(p) for p in prompts)  # the longest active prompt (host side: no sync per token)
+        active = list(range(n))  # rows still run through the model, in slot order
+        act = torch.arange(n, device=device)
+        span = _span(row_slots)
+        longest = max(prompt_len)  # the longest active prompt (host side: no sync per token)
+        every = self.sync_every or (1 if device.type == "cpu" else 8)  # a host sync is free on a CPU
         for t in range(T):
             raw = torch.log_softmax(logits, dim=-1)
-            chosen = _choose(logits, params, seed_t[active], t)
-            tokens[active, t] = chosen
-            logps[active, t] = raw.gather(1, chosen[:, None]).squeeze(1)
-            newly = torch.isin(chosen, stop) & ~done[active]
-            length[active] = torch.where(newly, t + 1, length[active])
-            done[active] |= newly
+            chosen = _choose(logits, params, seed_t[act], t)
+            tokens[act, t] = chosen
+            logps[act, t] = raw.gather(1, chosen[:, None]).squeeze(1)
+            newly = torch.isin(chosen, stop) & ~done[act]
+            length[act] = torch.where(newly, t + 1, length[act])
+            done[act] |= newly
+            last[act] = chosen
             if t == T - 1:
                 break
-            if (t + 1) % self.sync_every == 0:  # the only host syncs of the loop
-                alive = (~done).nonzero().squeeze(1)
-                if alive.numel() == 0:
+            if (t + 1) % every == 0:  # the only host syncs of the loop
+                finished = done.tolist()
+                alive = [r for r in active if not finished[r]]
+                if not alive:
                     break
-                if alive.numel() <= active.numel() // 2:  # most rows finished: stop paying for them
-                    keep = (~done[active]).nonzero().squeeze(1)
-                    chosen, active = chosen[keep], active[keep]
-                    span = _span(row_slots[active].tolist())
-                    longest = max(len(prompts[order[r]]) for r in active.tolist())
-            logits = self._forward(chosen[:, None], (pos[active] + t)[:, None], row_slots[active], span,
-                                   write_from=None, kv_len=longest + t + 1)
+                if len(alive) < len(active) and (device.type == "cpu" or len(alive) <= len(active) // 2):
+                    active, span = self._compact(active, alive, row_slots, span, longest + t)
+                    act = torch.tensor(active, device=device)
+                    longest = max(prompt_len[r] for r in active)
+            logits = self._forward(last[act][:, None], (pos[act] + t)[:, None], torch.tensor([row_slots[r] for r in active], device=device),
+                                   span, write_from=None, kv_len=longest + t + 1)
         tokens, logps, length = tokens.cpu(), logps.cpu(), length.cpu()  # one transfer per batch
 
         out: list[Completion | None] = [None] * n
@@ -208,6 +214,21 @@ class HFSampler:
                                 text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason,
                                 adapter_version=self.adapter_version)
         return out
+
+    def _compact(self, active: list[int], alive: list[int], row_slots: list[int], span: int | None, n: int):
+        """Leave the finished rows out of the decode batch. When the batch sits in consecutive slots,
+        running rows that sit past the first len(alive) slots swap places with finished rows before
+        them (each row's first n positions), so the batch stays consecutive: one copy now instead
+        of a gather at every token."""
+        if span is None:
+            return alive, _span([row_slots[r] for r in alive])
+        edge = span + len(alive)
+        misplaced = [r for r in alive if row_slots[r] >= edge]
+        holes = [r for r in active if r not in set(alive) and row_slots[r] < edge]
+        for r, d in zip(misplaced, holes):
+            self.store.swap(row_slots[r], row_slots[d], n)
+            row_slots[r], row_slots[d] = row_slots[d], row_slots[r]
+        return sorted(alive, key=lambda r: row_slots[r]), span
 
     def _prefill(self, prompts, cached, slots) -> torch.Tensor:
         """Run each row's new tokens (after its cached prefix) through the model into its slot; return

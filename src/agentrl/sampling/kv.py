@@ -372,6 +372,22 @@ class SlotStore(Cache):
             return kbuf[span : span + b, :, :kv_len], vbuf[span : span + b, :, :kv_len]
         return kbuf[:, :, :kv_len].index_select(0, slots), vbuf[:, :, :kv_len].index_select(0, slots)
 
+    def swap(self, a: int, b: int, n: int) -> None:
+        """Exchange the first n positions of two slots and their owners (a decode batch keeps its
+        running rows in consecutive slots by swapping them with rows that finished)."""
+        for bufs in (self.k, self.v):
+            for buf in bufs:
+                tmp = buf[a, :, :n].clone()
+                buf[a, :, :n] = buf[b, :, :n]
+                buf[b, :, :n] = tmp
+        ka, kb = self.owner[a], self.owner[b]
+        self.owner[a], self.owner[b] = kb, ka
+        if ka is not None:
+            self.slot_of[ka] = b
+        if kb is not None:
+            self.slot_of[kb] = a
+        self.moves += 1
+
     def copy_slot(self, src: int, dst: int, n: int) -> None:
         """Rows that share a prompt (a group's G trajectories at step 1) run it once; the others copy it."""
         for bufs in (self.k, self.v):
