@@ -242,3 +242,19 @@ def test_doctor_says_which_vllm_and_torch_it_found_and_whether_the_sampler_suppo
     versions["vllm"] = "0.9.1"
     c = doctor.check_vllm()
     assert c.status == "warn" and "outside the range" in c.detail and "vllm>=0.10.2,<0.34" in c.fix
+
+
+@pytest.mark.parametrize("command, args", [
+    ("eval", ["--limit", "4"]),
+    ("rollout", ["--tasks", "2", "--group-size", "4"]),
+    ("train", ["--tasks", "2", "--group-size", "4"]),
+])
+def test_a_run_whose_kv_cache_cannot_fit_is_refused_up_front(tmp_path, command, args):
+    """rows x expected context x bytes per token over the KV budget: one line naming the knobs, exit 2, nothing written."""
+    out = tmp_path / "out"
+    proc = agentrl(command, "--out", str(out), "--kv-budget-gb", "0.01", *args)
+    assert_clean_error(proc, r"\d+ trajectories x ~\d+ tokens need ~[\d.]+ GB of KV cache, over sampling.kv_budget_gb=0.01 GB; "
+                             r"step fewer trajectories together .* or raise sampling.kv_budget_gb")
+    assert not out.exists()
+    assert_clean_error(agentrl(command, "--out", str(out), "--kv-budget-gb", "lots", *args),
+                       r"sampling.kv_budget_gb must be auto or a number of GB > 0, got 'lots'")

@@ -177,6 +177,7 @@ class HFSampler:
         stop = self._stop_tensor
         active = list(range(n))  # rows still run through the model, in slot order
         act = torch.arange(n, device=device)
+        act_slots = torch.tensor(row_slots, device=device)
         span = _span(row_slots)
         longest = max(prompt_len)  # the longest active prompt (host side: no sync per token)
         every = self.sync_every or (1 if device.type == "cpu" else 8)  # a host sync is free on a CPU
@@ -199,9 +200,10 @@ class HFSampler:
                 if len(alive) < len(active) and (device.type == "cpu" or len(alive) <= len(active) // 2):
                     active, span = self._compact(active, alive, row_slots, span, longest + t)
                     act = torch.tensor(active, device=device)
+                    act_slots = torch.tensor([row_slots[r] for r in active], device=device)
                     longest = max(prompt_len[r] for r in active)
-            logits = self._forward(last[act][:, None], (pos[act] + t)[:, None], torch.tensor([row_slots[r] for r in active], device=device),
-                                   span, write_from=None, kv_len=longest + t + 1)
+            logits = self._forward(last[act][:, None], (pos[act] + t)[:, None], act_slots, span, write_from=None,
+                                   kv_len=longest + t + 1)
         tokens, logps, length = tokens.cpu(), logps.cpu(), length.cpu()  # one transfer per batch
 
         out: list[Completion | None] = [None] * n
