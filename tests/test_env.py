@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 from agentrl.env.alfworld import NOTHING_HAPPENS, AlfworldEnv
 from agentrl.env.data import read_game
 from agentrl.rollout import WalkthroughPolicy, run_lockstep
@@ -106,3 +108,32 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
             assert group[1].step("look").observation == group[2].step("look").observation  # untouched by env 0
     for env in group:
         env.close()
+
+
+def test_an_eval_run_in_slices_equals_one_run(games):
+    """Evaluations larger than the sampler's KV budget run in slices of games, one after another:
+    the episodes (which do not interact) and the summed statistics are those of one run."""
+    from agentrl.rollout import run_in_slices
+
+    chosen = [games[t] for t in ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep")]
+    whole = run_lockstep(chosen, WalkthroughPolicy(), max_steps=30)
+    resets = []
+    sliced = run_in_slices(chosen, 2, policy=WalkthroughPolicy(), max_steps=30, on_reset=lambda k, n: resets.append((k, n)))
+    assert [t.game.game_id for t in sliced.trajectories] == [g.game_id for g in chosen]
+    assert [(t.won, [s.command for s in t.steps]) for t in sliced.trajectories] == \
+           [(t.won, [s.command for s in t.steps]) for t in whole.trajectories]
+    assert (sliced.stats.env_steps, sliced.stats.step_tokens) == (whole.stats.env_steps, whole.stats.step_tokens)
+    assert resets[-1] == (3, 3)  # progress counts across slices
+
+
+def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
+    from agentrl.config import load_config
+    from agentrl.evaluate import build_policy, slice_size
+    from agentrl.sampling.hf import HFSampler
+    from agentrl.sampling.kv import expected_context_tokens, kv_bytes_per_token
+
+    cfg = load_config(None)
+    per_row = expected_context_tokens(cfg, 30, tokenizer) * kv_bytes_per_token(tiny_model.config, torch.float32)
+    policy = build_policy(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
+    assert slice_size(cfg, policy, 140, 30) == 10 and slice_size(cfg, policy, 8, 30) is None
+    assert slice_size(cfg, WalkthroughPolicy(), 140, 30) is None

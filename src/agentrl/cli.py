@@ -346,7 +346,7 @@ def train_cmd(
 
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
-    check_kv_fits(cfg, cfg.train.eval_tasks, cfg.train.eval_max_steps or t_max, "train's held-out eval")
+    check_kv_fits(cfg, min(1, cfg.train.eval_tasks), cfg.train.eval_max_steps or t_max, "train's held-out eval")  # run in slices
     if cfg.train.init_adapter:
         from agentrl.models import check_lora_adapter
 

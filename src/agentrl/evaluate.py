@@ -9,7 +9,7 @@ from pathlib import Path
 from agentrl.config import Config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_jsonl
-from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_lockstep
+from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
@@ -74,11 +74,24 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
 def prepare_eval(cfg: Config, sampler=None):
     """(games, policy): everything that can fail on bad input, before any episode runs."""
     games = find_games(cfg.env.kind, cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
-    if cfg.eval.policy == "model" and sampler is None:  # every game is stepped together: its KV must fit
+    if cfg.eval.policy == "model" and sampler is None:  # one episode's KV must fit (more are run in slices)
         from agentrl.sampling.kv import check_kv_fits
 
-        check_kv_fits(cfg, len(games), cfg.eval.max_steps or cfg.env.max_steps, "eval")
+        check_kv_fits(cfg, 1, cfg.eval.max_steps or cfg.env.max_steps, "eval")
     return games, build_policy(cfg, sampler)
+
+
+def slice_size(cfg: Config, policy, n_games: int, max_steps: int) -> int | None:
+    """Games an evaluation steps together: all (None), or as many as the sampler's KV budget holds
+    at once; the rest follow in further slices (greedy episodes do not interact: same results)."""
+    sampler = getattr(policy, "sampler", None)
+    fit = getattr(sampler, "rows_that_fit", None)
+    if fit is None or cfg.env.kind != "alfworld":
+        return None
+    from agentrl.sampling.kv import expected_context_tokens
+
+    rows = max(1, fit(expected_context_tokens(cfg, max_steps, sampler.tokenizer)))
+    return rows if rows < n_games else None
 
 
 def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_step=None, on_reset=None) -> EvalResult:
@@ -88,8 +101,9 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
     envs = open_envs(cfg)  # env worker processes (env.workers), or None
     try:
-        rollout = run_lockstep(games, policy, max_steps, cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
-                               make_env=env_factory(cfg.env.kind), envs=envs)
+        rollout = run_in_slices(games, slice_size(cfg, policy, len(games), max_steps), policy=policy, max_steps=max_steps,
+                                fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
+                                make_env=env_factory(cfg.env.kind), envs=envs)
     finally:
         if envs is not None:
             envs.shutdown()

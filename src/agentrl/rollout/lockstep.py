@@ -278,6 +278,26 @@ def run_lockstep(
     return Rollout(groups, stats)
 
 
+def run_in_slices(games: list[Game], slice_size: int | None, on_step=None, on_reset=None, **kwargs) -> Rollout:
+    """`run_lockstep` over consecutive slices of at most `slice_size` games (None: all at once), one
+    after another, merged into one Rollout: for evaluations larger than the sampler's KV budget
+    holds at once (greedy episodes of different games do not interact, so slicing changes no result).
+    `on_step`/`on_reset` see the slice's own step and count, offset by the slices before it."""
+    if not slice_size or slice_size >= len(games):
+        return run_lockstep(games, on_step=on_step, on_reset=on_reset, **kwargs)
+    groups, stats, done = [], RolloutStats(), 0
+    for start in range(0, len(games), slice_size):
+        part = games[start:start + slice_size]
+        offset = done
+        r = run_lockstep(part, on_step=on_step,
+                         on_reset=(lambda k, n, o=offset: on_reset(o + k, len(games))) if on_reset else None, **kwargs)
+        done += len(r.trajectories)
+        groups += r.groups
+        for name in ("env_steps", "step_tokens", "generate_s", "env_s", "wall_s"):
+            setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
+    return Rollout(groups, stats)
+
+
 @dataclass
 class _Wave:
     """Groups that take their steps together: one batched generate, then one batch to the envs."""

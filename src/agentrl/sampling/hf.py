@@ -107,6 +107,10 @@ class HFSampler:
         """The sequences named by `keys` are over: their slots are free for the next ones."""
         self.store.release(list(keys))
 
+    def rows_that_fit(self, tokens_per_row: int) -> int:
+        """How many sequences of `tokens_per_row` tokens the KV budget holds at once."""
+        return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None

@@ -457,7 +457,7 @@ def check_kv_fits(cfg, rows: int, max_steps: int, what: str) -> None:
     need = rows * tokens * per_token
     budget = kv_budget_bytes(cfg.sampling.kv_budget_gb, device)
     if need > budget:
-        raise UserError(f"{what}: {rows} trajectories x ~{tokens} tokens need ~{_gb(need)} GB of KV cache, over "
+        raise UserError(f"{what}: {rows} {'trajectory' if rows == 1 else 'trajectories'} x ~{tokens} tokens need ~{_gb(need)} GB of KV cache, over "
                         f"sampling.kv_budget_gb={'auto: ' if cfg.sampling.kv_budget_gb == 'auto' else ''}{_gb(budget)} GB; "
-                        f"step fewer trajectories together (rollout.tasks x rollout.group_size, eval --limit, "
-                        f"train.eval_tasks), lower env.max_steps, or raise sampling.kv_budget_gb")
+                        + ("step fewer trajectories together (rollout.tasks x rollout.group_size), " if rows > 1 else "")
+                        + "lower env.max_steps, or raise sampling.kv_budget_gb")

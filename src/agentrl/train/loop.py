@@ -41,7 +41,7 @@ from agentrl.collect import roll
 from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.errors import RunError, UserError
-from agentrl.rollout import ModelPolicy, run_lockstep
+from agentrl.rollout import ModelPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero
 from agentrl.sampling.base import SamplingParams
 from agentrl.train import checkpoint
@@ -171,8 +171,11 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
     policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt))
     t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
-    rollout = run_lockstep(games, policy, t_max, cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
-                           envs=envs)
+    from agentrl.evaluate import slice_size
+
+    rollout = run_in_slices(games, slice_size(cfg, policy, len(games), t_max), policy=policy, max_steps=t_max,
+                            fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
+                            envs=envs)
     by_type: dict[str, list[bool]] = {}
     for t in rollout.trajectories:
         by_type.setdefault(t.game.task_type, []).append(t.won)
