@@ -129,7 +129,7 @@ def test_survival_draws_average_kappa_and_every_rollout_keeps_a_chance():
 
     rng = np.random.default_rng(0)
     probs = [0.95, 0.9, 0.9, 0.85, 0.8, 0.3, 0.1, 0.05]
-    draws = np.array([keep_survival(probs, 0.5, rng, min_group=0) for _ in range(20000)])
+    draws = np.array([keep_survival(probs, 0.5, rng, min_group=0) for _ in range(5000)])  # sd of the mean ~0.003
     assert abs(draws.mean() - 0.5) < 0.01  # a group's survival draws average kappa
     assert (draws.mean(0) > 0.05).all()  # every rollout survives sometimes
     assert len({d.sum() for d in draws}) > 3  # not a fixed count

@@ -75,6 +75,9 @@ class ExpertSampler:
     def load_adapter(self, path, version=None) -> None:  # pragma: no cover - the protocol's; never called
         raise NotImplementedError
 
+    def release(self, keys) -> None:
+        """Nothing kept per trajectory: the replies are read from the walkthroughs."""
+
 
 @dataclass
 class Example:
