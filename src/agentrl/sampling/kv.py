@@ -50,12 +50,17 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of keys and values that one token holds across all layers."""
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a decoder config."""
     c = text_config(config)
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return c.num_hidden_layers, heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values that one token holds across all layers."""
+    layers, heads, head_dim = kv_shape(config)
+    return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def servable_length(config) -> int | None:
@@ -169,10 +174,7 @@ class SlotStore(Cache):
     def __init__(self, config, dtype: torch.dtype, device: torch.device, budget_bytes: int | None = None,
                  grow_tokens: int = 128):
         super().__init__(layers=[])
-        c = text_config(config)
-        self.n_layers = c.num_hidden_layers
-        self.kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.n_layers, self.kv_heads, self.head_dim = kv_shape(config)
         self.dtype, self.device = dtype, torch.device(device)
         self.bytes_per_token = kv_bytes_per_token(config, dtype)
         self.budget = budget_bytes
@@ -304,11 +306,8 @@ class SlotStore(Cache):
             if s is None or s not in block:
                 target = free.pop(0)
                 if s is not None:  # move its cache into the block
-                    n = len(self.ids.get(k, ()))
-                    if n:
-                        for bufs in (self.k, self.v):
-                            for buf in bufs:
-                                buf[target, :, :n] = buf[s, :, :n]
+                    if self.ids.get(k):
+                        self.copy_slot(s, target, len(self.ids[k]))
                         self.moves += 1
                     self.owner[s] = None
                 s = target
@@ -335,10 +334,7 @@ class SlotStore(Cache):
         live = sorted(self.slot_of.items(), key=lambda kv: kv[1])
         for target, (k, s) in enumerate(live):
             if s != target:
-                n_tok = len(self.ids.get(k, ()))
-                for bufs in (self.k, self.v):
-                    for buf in bufs:
-                        buf[target, :, :n_tok] = buf[s, :, :n_tok]
+                self.copy_slot(s, target, len(self.ids.get(k, ())))
                 self.owner[s], self.owner[target] = None, k
                 self.slot_of[k] = target
                 self.moves += 1
@@ -389,7 +385,7 @@ class SlotStore(Cache):
         self.moves += 1
 
     def copy_slot(self, src: int, dst: int, n: int) -> None:
-        """Rows that share a prompt (a group's G trajectories at step 1) run it once; the others copy it."""
+        """Copy a slot's first n positions (a shared prompt run once, a row moved to pack a batch)."""
         for bufs in (self.k, self.v):
             for buf in bufs:
                 buf[dst, :, :n] = buf[src, :, :n]
