@@ -220,3 +220,60 @@ def test_buffered_pilots_carry_into_the_next_iteration_and_are_counted_once():
     assert merged.carried_step_tokens == 2 * 10  # its pilot was generated (and counted) in iteration 1
     m = sel.metrics(second.groups, [])
     assert m["step_tokens_generated"] == sum(10 * n * G for n, G, _ in calls) and m["step_tokens_carried"] == 20
+
+
+def test_a_task_committed_this_iteration_is_not_piloted_again_in_it():
+    """The issue's example (checked against databricks/pilot-commit 6def20e, T 692: train_bsz distinct
+    prompts per batch): n_pilot 2, G 8, B 2, pilot_factor 1, buffer {X}, candidates [X, Y, Z].
+    Round 1 commits X and pilots [Y, Z], not [X, Y]; the batch never holds X twice."""
+    from agentrl.config import load_config
+    from agentrl.select.pilot_commit import Entry
+    from agentrl.select.selection import Selection
+
+    cfg = load_config(None, {"select.stages": "pilot-commit", "rollout.gate": "off", "rollout.tasks": 2,
+                             "rollout.group_size": 8, "select.pilot_commit.pilot_factor": 1})
+    sel = Selection(cfg)
+    pc = sel.by_name["pilot-commit"]
+    X = game(0)
+    pc.buffer[X.game_id] = Entry(X, group(0, wins=1, n=2), iteration=0, std=0.5)
+    calls: list = []
+    piloted: list = []
+    roll = scripted_roll(lambda i, k: k % 2 == 0, calls)  # every pilot wins 1 of 2: passes
+
+    def spy(games, G, first, stages):
+        if G == pc.n_p:
+            piloted.append(ids(games))
+        return roll(games, G, first, stages)
+
+    sel.begin(1)
+    rollout = sel.rollout(Pool(3), B=2, G=8, roll=spy)
+    assert piloted[0] == ["task-1/trial", "task-2/trial"]  # [Y, Z]
+    batch = [g.game.game_id for g in rollout.groups if not g.excluded_by]
+    assert len(batch) == 2 and len(set(batch)) == 2 and batch[0] == X.game_id
+
+
+def test_pilot_tasks_reads_no_candidate_past_its_last_pilot():
+    """The issue's second defect: a round took the next item from the stream, then stopped, and that
+    task was lost to the iteration; now consecutive rounds see consecutive candidates."""
+    s = PilotCommit(pilot_factor=1)
+    stream = iter([game(i) for i in range(5)])
+    assert s.pilot_tasks(stream, B=2) == [game(0), game(1)]
+    assert s.pilot_tasks(stream, B=2) == [game(2), game(3)]  # game 2 was dropped before
+    assert s.pilot_tasks(stream, B=2) == [game(4)]
+
+
+def test_an_iteration_that_commits_nothing_is_explained_once():
+    from agentrl.config import load_config
+    from agentrl.select.selection import Selection
+
+    cfg = load_config(None, {"select.stages": "pilot-commit", "rollout.gate": "off", "rollout.tasks": 2,
+                             "rollout.group_size": 8, "select.pilot_commit.max_rounds": 3})
+    warnings: list[str] = []
+    sel = Selection(cfg, warn=warnings.append)
+    never = scripted_roll(lambda i, k: False, [])  # the base model: no pilot ever wins
+    for it in (1, 2):
+        sel.begin(it)
+        sel.rollout(Pool(100), B=2, G=8, roll=never)
+    assert len(warnings) == 1
+    assert "committed no task: 0 of 18 piloted tasks passed" in warnings[0] and "in 3 round(s)" in warnings[0]
+    assert "warm-started" in warnings[0]

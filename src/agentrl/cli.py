@@ -161,9 +161,11 @@ def rollout_cmd(
     tasks: Annotated[Optional[int], typer.Option(help="B: number of tasks (groups).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", "-G", help="G: trajectories per task.")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="T_max (default 30).")] = None,
-    gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12) or off.")] = None,
+    gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12), K,auto (d_L fitted between --rounds; needs --gate-audit) or off.")] = None,
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     tier1_ab: Annotated[bool, typer.Option("--tier1-ab", help="Baseline vs gated on the same tasks and seeds (Tier 1).")] = False,
+    rounds: Annotated[Optional[int], typer.Option(help="Roll the tasks in this many consecutive lockstep rounds (fewer rows held at once; an auto gate re-fits between rounds).")] = None,
+    gate_audit: Annotated[Optional[float], typer.Option(help="Share of the groups the gate would cut that run on anyway: their outcome measures the gate (an auto gate needs it).")] = None,
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
     sampler_replicas: SamplerReplicasOpt = None,
@@ -179,7 +181,7 @@ def rollout_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<time>).")] = None,
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
-    from agentrl.collect import load_games, make_policy, roll, run_tier1, tier1_markdown, write_rollout
+    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, run_tier1, tier1_markdown, write_rollout
     from agentrl.env import open_envs
     from agentrl.io import atomic_write_json, atomic_write_text
 
@@ -188,6 +190,7 @@ def rollout_cmd(
         "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
         "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
+        "rollout.rounds": rounds, "select.gate_audit": gate_audit,
         "env.workers": env_workers, "cluster.ray_address": ray_address, "sampling.replicas": sampler_replicas,
         "sampling.kv_budget_gb": kv_budget_gb,
     })
@@ -199,7 +202,8 @@ def rollout_cmd(
         games = load_games(cfg)
         from agentrl.sampling.kv import check_kv_fits
 
-        check_kv_fits(cfg, len(games) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
+        per_round = -(-len(games) // cfg.rollout.rounds)
+        check_kv_fits(cfg, per_round * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
         policy = make_policy(cfg)
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     with progress_bar() as bar:
@@ -225,7 +229,8 @@ def rollout_cmd(
                 atomic_write_json(out / "tier1.json", result.report)
                 atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
             else:
-                rollout = roll(cfg, games, policy, the_gate, *progress("rollout"), envs=envs)
+                stage = make_cut_stage(cfg, the_gate)
+                rollout = roll_rounds(cfg, games, policy, stage, progress, envs)
                 write_rollout(rollout, out, cfg.rollout.signal_steps)
         finally:
             if envs is not None:
@@ -263,7 +268,7 @@ def train_cmd(
     tasks: Annotated[Optional[int], typer.Option(help="B: tasks per iteration.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", "-G", help="G: trajectories per task.")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="T_max of training rollouts.")] = None,
-    gate: Annotated[Optional[str], typer.Option(help="K,d_L (e.g. 10,0.12) or off.")] = None,
+    gate: Annotated[Optional[str], typer.Option(help="K,d_L (e.g. 10,0.12), K,auto (d_L fitted online; needs --gate-audit) or off.")] = None,
     gate_or_tau: Annotated[Optional[float], typer.Option(help="OR-rule: also cut when >= this share finished by K.")] = None,
     advantage: Annotated[Optional[str], typer.Option(help="grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO).")] = None,
     gamma: Annotated[Optional[float], typer.Option(help="GiGPO: discount of the step-level returns (default 0.95).")] = None,
@@ -542,7 +547,23 @@ def metrics_line(row: dict, iterations: int) -> str:
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
             f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
-            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}")
+            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}"
+            + stage_notes(row))
+
+
+def stage_notes(row: dict) -> str:
+    """What a stage decided that a user needs to read the line: the auto gate's d_L, Pilot-Commit's rounds."""
+    stages, out = row.get("stages", {}), ""
+    auto = stages.get("cut", {}).get("extra", {}).get("auto")
+    if auto:
+        live = ("" if auto["precision_audit"] is None else
+                f", audit precision {100 * auto['precision_audit']:.0f}% [{100 * auto['precision_audit_ci95'][0]:.0f}, "
+                f"{100 * auto['precision_audit_ci95'][1]:.0f}] of {auto['audited']}")
+        out += f"  gate d_L {auto['d_L']:.3g} ({auto['labelled']} labelled{live})"
+    pc = stages.get("pilot-commit", {}).get("decisions")
+    if pc:
+        out += f"  pilot-commit rounds {pc.get('rounds', 0)}, passed {pc.get('tasks_passed', 0)}/{pc.get('tasks_piloted', 0)}"
+    return out
 
 
 def num(v, fmt):

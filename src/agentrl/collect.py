@@ -18,8 +18,9 @@ from scipy import stats as sps
 from agentrl.config import Config
 from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_text
-from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, run_lockstep
+from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, merge_rollouts, run_lockstep
 from agentrl.sampling import make_sampler
+from agentrl.select.auto_gate import wilson
 from agentrl.select.cut import CutStage
 from agentrl.sampling.base import SamplingParams
 
@@ -41,6 +42,30 @@ def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=Non
         signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
         make_env=env_factory(cfg.env.kind), envs=envs, stages=([CutStage(gate)] if gate is not None else []) + list(stages),
     )
+
+
+def roll_rounds(cfg: Config, games, policy: ModelPolicy, stage: CutStage | None, progress=None, envs=None,
+                name: str = "rollout") -> Rollout:
+    """`agentrl rollout`: the tasks in `rollout.rounds` consecutive lockstep rounds (at most
+    ceil(B / rounds) tasks each), merged. The gate stage (`make_cut_stage`) lives across the
+    rounds: an auto gate learns from each round's finished groups and re-fits before the next."""
+    size = -(-len(games) // cfg.rollout.rounds)
+    parts = []
+    for r, start in enumerate(range(0, len(games), size), start=1):
+        label = name if size >= len(games) else f"{name} {r}/{-(-len(games) // size)}"
+        if stage is not None:
+            stage.begin(r)
+        part = roll(cfg, games[start:start + size], policy, None, *(progress(label) if progress else (None, None)),
+                    envs=envs, stages=[stage] if stage is not None else [])
+        if stage is not None:
+            stage.observe(part.groups)
+        parts.append(part)
+    return merge_rollouts(parts)
+
+
+def make_cut_stage(cfg: Config, gate: Gate | None) -> CutStage | None:
+    """The gate as a stage, with the run's audit rate (an auto gate's labels)."""
+    return CutStage(gate, cfg.select.gate_audit, cfg.seed, cfg.gate) if gate is not None else None
 
 
 def groups_table(rollout: Rollout) -> list[dict]:
@@ -110,6 +135,9 @@ def tier1_report(baseline: Rollout, gated: Rollout, gate: Gate, seed: int, resam
             "step_tokens_total": r.stats.step_tokens, "step_tokens_mean": r.stats.step_tokens / len(r.groups),
             "env_steps": r.stats.env_steps, "groups_cut": sum(g.cut for g in r.groups),
             "success_rate": float(np.mean([t.reward for t in r.trajectories])),
+            # over trajectories (a group's G share a task: read it as a rough interval)
+            "success_ci95": list(wilson(sum(t.won for t in r.trajectories), len(r.trajectories)) or (0.0, 0.0)),
+            "groups_audited": sum(g.audited for g in r.groups),
         }
 
     base, gate_arm = arm(baseline), arm(gated)
@@ -161,13 +189,18 @@ def tier1_markdown(rep: dict) -> str:
         f"| step-tokens, total | {b['step_tokens_total']} | {g['step_tokens_total']} | {100 * c['step_tokens']:+.1f}% |",
         f"| step-tokens, mean per task | {b['step_tokens_mean']:.0f} | {g['step_tokens_mean']:.0f} | |",
         f"| env steps | {b['env_steps']} | {g['env_steps']} | |",
-        f"| success rate | {100 * b['success_rate']:.1f}% | {100 * g['success_rate']:.1f}% | |",
+        f"| success rate (95% Wilson, trajectories) | {_pct_ci(b)} | {_pct_ci(g)} | |",
         f"| groups cut | 0 | {rep['groups_cut']} | |",
+        *([f"| groups audited (ran on, to measure the gate) | | {g['groups_audited']} | |"] if g.get("groups_audited") else []),
         "",
         f"Cut precision (cut group zero-variance in the baseline arm): {prec}. "
         f"Zero-variance groups in the baseline: {rep['baseline_zero_variance_groups']}/{rep['tasks']}.",
         f"Task-time saving {100 * rep['wall_saving']:.1f}%, 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%] "
         f"(percentile bootstrap, {rep['bootstrap']['resamples']} task resamples, seeded).",
+        *([
+            "",
+            _auto_line(rep["auto"]),
+        ] if rep.get("auto") else []),
         *([
             "",
             "Note: the gate cut nothing, so both arms did identical work (same tokens, same env steps); "
@@ -177,13 +210,31 @@ def tier1_markdown(rep: dict) -> str:
     ])
 
 
+def _pct_ci(arm: dict) -> str:
+    lo, hi = arm.get("success_ci95", (float("nan"), float("nan")))
+    return f"{100 * arm['success_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _auto_line(a: dict) -> str:
+    prec = ("n/a (nothing audited)" if a["precision_audit"] is None else
+            f"{100 * a['precision_audit']:.0f}% of {a['audited']} audited groups, 95% CI "
+            f"[{100 * a['precision_audit_ci95'][0]:.0f}%, {100 * a['precision_audit_ci95'][1]:.0f}%]")
+    fit = "n/a" if a["precision_fit"] is None else f"{100 * a['precision_fit']:.0f}%"
+    return (f"Auto gate: d_L at the end {a['d_L']:.3g} (fitted on {a['labelled']} labelled groups, fitted precision "
+            f"{fit}); live precision: {prec}.")
+
+
 def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None, envs=None) -> Tier1:
     """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
     policy.sampler.generate([policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids],
                             SamplingParams(0.0, 1.0, 2))
-    baseline = roll(cfg, games, policy, None, *(progress("baseline") if progress else (None, None)), envs=envs)
-    gated = roll(cfg, games, policy, gate, *(progress("gated") if progress else (None, None)), envs=envs)
-    return Tier1(baseline, gated, tier1_report(baseline, gated, gate, cfg.seed))
+    baseline = roll_rounds(cfg, games, policy, None, progress, envs, "baseline")
+    stage = make_cut_stage(cfg, gate)
+    gated = roll_rounds(cfg, games, policy, stage, progress, envs, "gated")
+    report = tier1_report(baseline, gated, gate, cfg.seed)
+    if stage.threshold is not None:  # the auto gate: the d_L it ended with, its labels, its audit
+        report["auto"] = stage.threshold.report()
+    return Tier1(baseline, gated, report)
 
 
 def load_games(cfg: Config):

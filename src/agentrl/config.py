@@ -107,6 +107,9 @@ class RolloutConfig:
     gate: str = "10,0.12"  # "K,d_L" or "off"
     gate_or_tau: float | None = None  # OR-rule: also cut when termination_fraction >= tau_H
     signal_steps: list[int] = field(default_factory=lambda: [5, 10, 15, 20])  # K rows of groups.csv
+    # `agentrl rollout`: the tasks in this many consecutive lockstep rounds (fewer rows held at once;
+    # an auto gate re-fits its threshold between rounds)
+    rounds: int = 1
 
     def parsed_gate(self):
         from agentrl.specs import parse_gate
@@ -240,6 +243,16 @@ class SelectConfig:
 
 
 @dataclass
+class GateConfig:
+    """The auto gate (`--gate K,auto`, agentrl/select/auto_gate.py): how its d_L is fitted online."""
+
+    precision: float = 0.8  # the fitted cut keeps at least this share of zero-variance groups (the paper's safe point)
+    min_labels: int = 24  # labelled groups before the first cut
+    window: int = 0  # fit on the labels of the last W iterations (0: all)
+    warmup: str | None = None  # groups.csv of an earlier ungated rollout: its groups at K are labels from the start
+
+
+@dataclass
 class ClusterConfig:
     """Ray (`--ray-address`): env workers, sampler replicas and the learner as actors. None: this
     machine, plain processes, no Ray import."""
@@ -263,6 +276,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> "Config":
@@ -326,6 +340,7 @@ class Config:
             (r.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares rollouts of a task), got {r.group_size}"),
             (r.max_steps is None or r.max_steps >= 1, f"rollout.max_steps must be >= 1, got {r.max_steps}"),
             (all(k >= 1 for k in r.signal_steps), f"rollout.signal_steps must be >= 1, got {r.signal_steps}"),
+            (r.rounds >= 1, f"rollout.rounds must be >= 1, got {r.rounds}"),
         ]:
             if not ok:
                 raise UserError(message)

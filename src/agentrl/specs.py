@@ -12,6 +12,21 @@ from dataclasses import dataclass
 from agentrl.errors import UserError
 
 _SPEC = re.compile(r"^\s*(\d+)\s*,\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*$")
+_AUTO = re.compile(r"^\s*(\d+)\s*,\s*auto\s*(?::\s*([a-z_]+)\s*)?$")
+
+# the seven signals (agentrl.rollout.signals.SIGNALS); a group has converged when a divergence is low
+# or, for termination_fraction, when much of it has finished: the gate scores "converged" as a low value
+SIGNAL_NAMES = ("prefix_edit_distance_mean", "action_bigram_jaccard_mean", "unique_prefix_ratio", "unique_action_ratio",
+                "action_entropy", "obs_unique_ratio", "termination_fraction")
+_SHORT = {"d_k": "prefix_edit_distance_mean", "bigram": "action_bigram_jaccard_mean", "prefixes": "unique_prefix_ratio",
+          "actions": "unique_action_ratio", "entropy": "action_entropy", "obs": "obs_unique_ratio",
+          "tau": "termination_fraction"}
+
+
+def convergence_score(signal: str, signals: dict[str, float]) -> float:
+    """The value the gate compares with its threshold (lower = more converged)."""
+    v = signals[signal]
+    return 1.0 - v if signal == "termination_fraction" else v
 
 
 @dataclass(frozen=True)
@@ -19,33 +34,50 @@ class Gate:
     K: int
     d_L: float
     tau_H: float | None = None  # OR-rule threshold on termination_fraction; None = off
+    auto: bool = False  # `K,auto`: d_L is re-fitted online from labelled groups (agentrl.select.auto_gate)
+    signal: str = "prefix_edit_distance_mean"  # what d_L thresholds (`K,auto:SIGNAL`; d_K by default)
 
     def __post_init__(self):
         if self.K < 1:
             raise UserError(f"gate K must be >= 1, got {self.K}")
-        if not 0.0 <= self.d_L <= 1.0:
+        if not 0.0 <= self.d_L <= 1.0 + 1e-9:
             raise UserError(f"gate d_L must be in [0, 1], got {self.d_L}")
         if self.tau_H is not None and not 0.0 <= self.tau_H <= 1.0:
             raise UserError(f"gate tau_H must be in [0, 1], got {self.tau_H}")
+        if self.signal not in SIGNAL_NAMES:
+            raise UserError(f"unknown gate signal {self.signal!r}; choose from {', '.join(SIGNAL_NAMES)}")
 
     def fires(self, signals: dict[str, float]) -> bool:
-        if signals["prefix_edit_distance_mean"] < self.d_L:
+        if convergence_score(self.signal, signals) < self.d_L:
             return True
         return self.tau_H is not None and signals["termination_fraction"] >= self.tau_H
 
     def __str__(self) -> str:
-        return f"{self.K},{self.d_L:g}" + (f" or tau>={self.tau_H:g}" if self.tau_H is not None else "")
+        if self.auto:
+            head = f"{self.K},auto" + ("" if self.signal == SIGNAL_NAMES[0] else f":{self.signal}") + f" (d_L {self.d_L:.3g})"
+        else:
+            head = f"{self.K},{self.d_L:g}"
+        return head + (f" or tau>={self.tau_H:g}" if self.tau_H is not None else "")
 
 
 def parse_gate(spec: str | None, tau_H: float | None = None) -> Gate | None:
-    """'K,d_L' -> Gate; 'off' / None -> no gate."""
+    """'K,d_L' -> Gate; 'K,auto' or 'K,auto:SIGNAL' -> an auto gate (cuts nothing until fitted);
+    'off' / None -> no gate."""
     if spec is None or spec.strip().lower() in ("off", "none", ""):
         if tau_H is not None:
             raise UserError("--gate-or-tau needs a gate (--gate K,d_L)")
         return None
+    auto = _AUTO.match(spec.strip().lower())
+    if auto:
+        name = auto.group(2) or SIGNAL_NAMES[0]
+        name = _SHORT.get(name, name)
+        if name not in SIGNAL_NAMES:
+            raise UserError(f"unknown gate signal {auto.group(2)!r} in {spec!r}; choose from "
+                            f"{', '.join(SIGNAL_NAMES)} (or d_K, bigram, prefixes, actions, entropy, obs, tau)")
+        return Gate(int(auto.group(1)), 0.0, tau_H, auto=True, signal=name)
     m = _SPEC.match(spec)
     if not m:
-        raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12) or off")
+        raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12), K,auto or off")
     return Gate(int(m.group(1)), float(m.group(2)), tau_H)
 
 
@@ -75,6 +107,11 @@ def pilot_count(cfg) -> int:
     return max(1, cfg.rollout.group_size // 4) if n == "auto" else n
 
 
+def _auto(cfg) -> bool:
+    gate = cfg.rollout.parsed_gate()
+    return gate is not None and gate.auto
+
+
 def check_select(cfg) -> None:
     """One-line errors for a bad `select` section (called by Config.validate)."""
     s, names = cfg.select, stage_names(cfg)
@@ -83,6 +120,12 @@ def check_select(cfg) -> None:
         ("cut" not in names or cfg.rollout.parsed_gate() is not None, "--select cut needs a gate (--gate K,d_L)"),
         (0.0 <= s.gate_audit <= 1.0, f"select.gate_audit must be in [0, 1], got {s.gate_audit}"),
         (s.gate_audit == 0.0 or "cut" in names, "select.gate_audit audits the gate: select cut too"),
+        (0.0 < cfg.gate.precision <= 1.0, f"gate.precision must be in (0, 1], got {cfg.gate.precision}"),
+        (cfg.gate.min_labels >= 1, f"gate.min_labels must be >= 1, got {cfg.gate.min_labels}"),
+        (cfg.gate.window >= 0, f"gate.window must be >= 0 (0: all iterations), got {cfg.gate.window}"),
+        (not _auto(cfg) or s.gate_audit > 0,
+         "--gate K,auto fits d_L from the groups it let run, and below d_L only audited groups run: "
+         "give --gate-audit a (e.g. 0.2)"),
         (s.dapo_refill >= 0, f"select.dapo_refill must be >= 0, got {s.dapo_refill}"),
         (s.dapo_refill == 0 or "dapo" in names, "select.dapo_refill refills what the DAPO filter drops: select dapo too"),
         ("arrol" not in names or cfg.sampling.backend == "hf",

@@ -285,17 +285,24 @@ def run_in_slices(games: list[Game], slice_size: int | None, on_step=None, on_re
     `on_step`/`on_reset` see the slice's own step and count, offset by the slices before it."""
     if not slice_size or slice_size >= len(games):
         return run_lockstep(games, on_step=on_step, on_reset=on_reset, **kwargs)
-    groups, stats, done = [], RolloutStats(), 0
+    parts, done = [], 0
     for start in range(0, len(games), slice_size):
         part = games[start:start + slice_size]
         offset = done
         r = run_lockstep(part, on_step=on_step,
                          on_reset=(lambda k, n, o=offset: on_reset(o + k, len(games))) if on_reset else None, **kwargs)
         done += len(r.trajectories)
-        groups += r.groups
+        parts.append(r)
+    return merge_rollouts(parts)
+
+
+def merge_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts run one after another, as one: their groups in order, their costs summed."""
+    stats = RolloutStats()
+    for r in parts:
         for name in ("env_steps", "step_tokens", "generate_s", "env_s", "wall_s"):
             setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
-    return Rollout(groups, stats)
+    return Rollout([g for r in parts for g in r.groups], stats)
 
 
 @dataclass

@@ -455,5 +455,6 @@ def check_kv_fits(cfg, rows: int, max_steps: int, what: str) -> None:
     if need > budget:
         raise UserError(f"{what}: {rows} {'trajectory' if rows == 1 else 'trajectories'} x ~{tokens} tokens need ~{_gb(need)} GB of KV cache, over "
                         f"sampling.kv_budget_gb={'auto: ' if cfg.sampling.kv_budget_gb == 'auto' else ''}{_gb(budget)} GB; "
-                        + ("step fewer trajectories together (rollout.tasks x rollout.group_size), " if rows > 1 else "")
+                        + ("step fewer trajectories together (rollout.tasks x rollout.group_size"
+                           + (", or more --rounds" if what == "rollout" else "") + "), " if rows > 1 else "")
                         + "lower env.max_steps, or raise sampling.kv_budget_gb")

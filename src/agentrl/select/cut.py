@@ -10,6 +10,9 @@ zero-variance groups it catches) — numbers the paper could only get from a mat
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 from agentrl.rollout.gate import Gate
 from agentrl.rollout.lockstep import row_seed
 from agentrl.select.base import StageStats
@@ -19,22 +22,40 @@ class CutStage:
     name = "cut"
     point = "step"
 
-    def __init__(self, gate: Gate, audit: float = 0.0, seed: int = 0):
+    def __init__(self, gate: Gate, audit: float = 0.0, seed: int = 0, auto=None):
+        """`auto`: the config's `gate` section (precision, min_labels, window, warmup) for a `K,auto` gate."""
         self.gate, self.K, self.audit, self.seed = gate, gate.K, audit, seed
-        self.iteration, self._seen = 0, []
+        self.iteration, self._seen, self._looked = 0, [], []
+        self.threshold = None
+        if gate.auto:
+            from agentrl.select.auto_gate import AutoThreshold, read_warmup
+
+            a = auto
+            warmup = read_warmup(Path(a.warmup), gate.K, gate.signal) if a is not None and a.warmup else None
+            self.threshold = AutoThreshold(gate.signal, *((a.precision, a.min_labels, a.window) if a else ()),
+                                           warmup=warmup)
+            self._use_fit()
+
+    def _use_fit(self) -> None:
+        self.gate = dataclasses.replace(self.gate, d_L=self.threshold.fit.d_L)
 
     def begin(self, iteration: int) -> None:
-        self.iteration, self._seen = iteration, []
+        self.iteration, self._seen, self._looked = iteration, [], []
 
     def at_step(self, step: int, group) -> None:
         """Called right after env step K for a group with its signals at K."""
         still_running = [t for t in group.trajectories if not t.done]
         # a group that already finished has nothing left to save: the gate leaves it alone
-        if step != self.K or not still_running or not self.gate.fires(group.signals[step]):
+        if step != self.K or not still_running:
+            return
+        fires = self.gate.fires(group.signals[step])
+        # the draw is fixed by (seed, task, iteration), whatever order the groups come in
+        audited = fires and self.audit and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit
+        self._looked.append((group, "audited" if audited else "cut" if fires else "ran"))
+        if not fires:
             return
         group.live_at_cut = len(still_running)
-        # the draw is fixed by (seed, task, iteration), whatever order the groups come in
-        if self.audit and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit:
+        if audited:
             group.excluded_by = "cut"  # audited: runs to the end, kept out of the loss
             return
         group.cut, group.cut_step = True, step
@@ -43,6 +64,15 @@ class CutStage:
 
     def observe(self, groups: list) -> None:
         self._seen = list(groups)
+        if self.threshold is None:
+            return
+        # the auto gate learns from the groups it looked at that ran to the end (a cut one has no label)
+        for group, how in self._looked:
+            if how != "cut":
+                self.threshold.add(self.iteration, self.threshold.score(group.signals[self.K]), group.zero_variance,
+                                   audited=how == "audited", audit_rate=self.audit)
+        self.threshold.refit(self.iteration)
+        self._use_fit()
 
     def stats(self) -> StageStats:
         groups = self._seen  # the iteration's final groups (a Pilot-Commit group includes its pilot)
@@ -60,13 +90,18 @@ class CutStage:
             missed = sum(g.zero_variance for g in groups if not g.cut and not g.audited and not g.excluded_by)
             out.extra = {"recall_est": would_cut_zero / (would_cut_zero + missed) if would_cut_zero + missed else None,
                          "audited_zero_variance": zero}
+        if self.threshold is not None:  # the d_L the next iteration uses, fitted on the labels so far
+            out.extra["auto"] = self.threshold.report()
         return out
 
     def state_dict(self) -> dict:
-        return {}  # stateless across iterations: the audit draw is keyed by (seed, iteration, task)
+        # the audit draw is keyed by (seed, iteration, task); an auto gate keeps its labels
+        return {} if self.threshold is None else {"auto": self.threshold.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.threshold is not None and "auto" in state:
+            self.threshold.load_state_dict(state["auto"])
+            self._use_fit()
 
 
 def _tokens_after_k_per_live_trajectory(groups: list, K: int) -> float | None:

@@ -102,6 +102,8 @@ class PilotCommit:
         self.rng = random.Random(seed)
         self.evicted: set[str] = set()
         self.buffer: dict[str, Entry] = {}  # game_id -> entry (a task piloted again overwrites its entry: R 64)
+        self.committed: set[str] = set()  # this iteration's batch: never piloted again in it (T 692: distinct prompts)
+        self._warned = False
         self.iteration = 0
         self._stats = StageStats()
 
@@ -110,23 +112,28 @@ class PilotCommit:
 
     def begin(self, iteration: int) -> None:
         self.iteration = iteration
+        self.committed = set()
         self._stats = StageStats(decisions={k: 0 for k in ("tasks_piloted", "tasks_passed", "tasks_committed",
                                                            "tasks_dropped", "tasks_evicted", "rounds")})
 
     # ------------------------------------------------------------------ the rounds
     def pilot_tasks(self, candidates: Iterable[Game], B: int) -> list[Game]:
-        """The first ceil(pilot_factor x B) distinct candidates neither evicted nor in the buffer."""
+        """The next ceil(pilot_factor x B) distinct candidates neither evicted, in the buffer nor
+        committed this iteration. Reads no candidate past the last one it takes (the stream goes
+        on into the next round)."""
         n = math.ceil(self.pilot_factor * B)
         out: list[Game] = []
         seen: set[str] = set()
+        if n <= 0:
+            return out
         for game in candidates:
-            if len(out) >= n:
-                break
             gid = game.game_id
-            if gid in self.evicted or gid in self.buffer or gid in seen:
+            if gid in self.evicted or gid in self.buffer or gid in seen or gid in self.committed:
                 continue
             out.append(game)
             seen.add(gid)
+            if len(out) >= n:
+                break
         return out
 
     def take(self, n: int) -> list[Entry]:
@@ -140,6 +147,7 @@ class PilotCommit:
                 entries = self.rng.sample(entries, n)
         for e in entries:
             del self.buffer[e.game.game_id]
+            self.committed.add(e.game.game_id)
         return entries
 
     def decide(self, pilot_groups: list) -> Decision:
@@ -179,6 +187,17 @@ class PilotCommit:
         rest = self.group_size - self.n_p if self.group_size is not None else 0
         st.step_tokens_avoided = int(round(rest * pilot_traj_tokens * dropped))  # full groups never rolled out
         st.extra = {"evicted_total": len(self.evicted), "buffer": len(self.buffer)}
+
+    def nothing_committed(self) -> str | None:
+        """Once per run: why an iteration trained on nothing (the authors' rule, but a user needs the reason)."""
+        st = self._stats.decisions
+        if st.get("tasks_committed", 0) or self._warned:
+            return None
+        self._warned = True
+        return (f"pilot-commit: iteration {self.iteration} committed no task: {st.get('tasks_passed', 0)} of "
+                f"{st.get('tasks_piloted', 0)} piloted tasks passed (pilot success in [{self.low:g}, {self.high:g}]) "
+                f"in {st.get('rounds', 0)} round(s); is the policy warm-started (--init-adapter)? "
+                f"A policy that never wins passes no pilot")
 
     # ------------------------------------------------------------------ the stage protocol
     def observe(self, groups: list) -> None:

@@ -17,7 +17,7 @@ def build_stage(name: str, cfg, sampler=None):
     if name == "cut":
         from agentrl.select.cut import CutStage
 
-        return CutStage(cfg.rollout.parsed_gate(), s.gate_audit, cfg.seed)
+        return CutStage(cfg.rollout.parsed_gate(), s.gate_audit, cfg.seed, cfg.gate)
     if name == "dapo":
         from agentrl.select.dapo import DapoFilter
 
@@ -50,9 +50,10 @@ def build_stage(name: str, cfg, sampler=None):
 
 
 class Selection:
-    def __init__(self, cfg, sampler=None):
+    def __init__(self, cfg, sampler=None, warn=None):
         self.stages = [build_stage(name, cfg, sampler) for name in stage_names(cfg)]
         self.by_name = {s.name: s for s in self.stages}
+        self.warn = warn or (lambda message: None)
 
     @property
     def step_stages(self) -> list:
@@ -107,6 +108,8 @@ class Selection:
         n_pilot_traj = sum(len(g.trajectories) for g in groups if g.excluded_by == "pilot-commit")
         pc.account(committed, out_of_loss, rounds, out_of_loss / n_pilot_traj if n_pilot_traj else 0.0)
         pc.flush()
+        if (why := pc.nothing_committed()) is not None:
+            self.warn(why)
         return Rollout(groups, RolloutStats(*(sum(getattr(s, f) for s in stats) for f in
                                               ("env_steps", "step_tokens", "generate_s", "env_s", "wall_s"))))
 

@@ -43,6 +43,8 @@ def scalars(row: dict) -> dict[str, float]:
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(value, list) and len(value) == 2 and path.endswith("ci95"):  # an interval: low, high
+            walk({"low": value[0], "high": value[1]}, path)
 
     for key, value in row.items():
         if key not in ("kind", "iteration"):

@@ -262,7 +262,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
           metrics: Metrics) -> dict:
     from agentrl.select.selection import Selection
 
-    selection = Selection(cfg, sampler)  # the --select stages, their state restored on resume
+    selection = Selection(cfg, sampler, hooks.warn)  # the --select stages, their state restored on resume
     advantage = Advantage.of(cfg)  # --advantage with advantage.* and reward.*
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None

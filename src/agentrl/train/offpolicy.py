@@ -415,6 +415,9 @@ def run_offpolicy_ab(
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms or len(set(arms)) != len(arms):
         raise UserError(f"arms must be distinct names from {', '.join(ARMS)}, got {', '.join(arms) or 'none'}")
+    if gate is not None and gate.auto:
+        raise UserError("Tier 2 replays the recorded d_K with a fixed threshold: give --gate K,d_L (K,auto is for "
+                        "train, rollout and Tier 1; `agentrl analyze` finds a d_L offline)")
     if gate is None and "gated" in arms:
         raise UserError("--ab needs a gate (--gate K,d_L); the gated arm drops groups by the recorded d_K")
     for ok, message in [
