@@ -181,7 +181,7 @@ def rollout_cmd(
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default runs/rollout-<time>).")] = None,
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
-    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, run_tier1, tier1_markdown, write_rollout
+    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
     from agentrl.env import open_envs
     from agentrl.io import atomic_write_json, atomic_write_text
 
@@ -202,8 +202,7 @@ def rollout_cmd(
         games = load_games(cfg)
         from agentrl.sampling.kv import check_kv_fits
 
-        per_round = -(-len(games) // cfg.rollout.rounds)
-        check_kv_fits(cfg, per_round * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
+        check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
         policy = make_policy(cfg)
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     with progress_bar() as bar:

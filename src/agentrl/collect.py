@@ -33,14 +33,14 @@ def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
                        messages=prompt_messages(cfg.env.kind, cfg.prompt))
 
 
-def roll(cfg: Config, games, policy: ModelPolicy, gate: Gate | None, on_step=None, on_reset=None, envs=None,
+def roll(cfg: Config, games, policy: ModelPolicy, on_step=None, on_reset=None, envs=None,
          stages=(), group_size: int | None = None, first_index: int = 0) -> Rollout:
     r = cfg.rollout
     t_max = r.max_steps or cfg.env.max_steps
     return run_lockstep(
         games, policy, t_max, cfg.env.fuzzy_threshold, group_size=group_size or r.group_size, first_index=first_index,
         signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-        make_env=env_factory(cfg.env.kind), envs=envs, stages=([CutStage(gate)] if gate is not None else []) + list(stages),
+        make_env=env_factory(cfg.env.kind), envs=envs, stages=list(stages),
     )
 
 
@@ -49,18 +49,24 @@ def roll_rounds(cfg: Config, games, policy: ModelPolicy, stage: CutStage | None,
     """`agentrl rollout`: the tasks in `rollout.rounds` consecutive lockstep rounds (at most
     ceil(B / rounds) tasks each), merged. The gate stage (`make_cut_stage`) lives across the
     rounds: an auto gate learns from each round's finished groups and re-fits before the next."""
-    size = -(-len(games) // cfg.rollout.rounds)
+    size = round_size(cfg, len(games))
+    n = -(-len(games) // size)
     parts = []
     for r, start in enumerate(range(0, len(games), size), start=1):
-        label = name if size >= len(games) else f"{name} {r}/{-(-len(games) // size)}"
+        label = name if n == 1 else f"{name} {r}/{n}"
         if stage is not None:
             stage.begin(r)
-        part = roll(cfg, games[start:start + size], policy, None, *(progress(label) if progress else (None, None)),
+        part = roll(cfg, games[start:start + size], policy, *(progress(label) if progress else (None, None)),
                     envs=envs, stages=[stage] if stage is not None else [])
         if stage is not None:
             stage.observe(part.groups)
         parts.append(part)
     return merge_rollouts(parts)
+
+
+def round_size(cfg: Config, tasks: int) -> int:
+    """Tasks per `agentrl rollout` round (the rows one lockstep holds are this x G)."""
+    return -(-tasks // cfg.rollout.rounds)
 
 
 def make_cut_stage(cfg: Config, gate: Gate | None) -> CutStage | None:
@@ -211,7 +217,7 @@ def tier1_markdown(rep: dict) -> str:
 
 
 def _pct_ci(arm: dict) -> str:
-    lo, hi = arm.get("success_ci95", (float("nan"), float("nan")))
+    lo, hi = arm["success_ci95"]
     return f"{100 * arm['success_rate']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
 
 

@@ -193,7 +193,7 @@ def _rollout(cfg, sampler, size, state) -> dict:
     envs = open_envs(cfg)
     try:
         policy = ModelPolicy(sampler, SamplingParams(0.7, 1.0, cfg.sampling.max_new_tokens), seed=0)
-        rollout = roll(cfg, games, policy, None, envs=envs, group_size=size["group"])
+        rollout = roll(cfg, games, policy, envs=envs, group_size=size["group"])
     finally:
         if envs is not None:
             envs.shutdown()

@@ -13,15 +13,9 @@ from itertools import combinations
 
 from rapidfuzz.distance import Levenshtein
 
-SIGNALS = (
-    "prefix_edit_distance_mean",
-    "action_bigram_jaccard_mean",
-    "unique_prefix_ratio",
-    "unique_action_ratio",
-    "action_entropy",
-    "obs_unique_ratio",
-    "termination_fraction",
-)
+from agentrl.specs import SIGNAL_NAMES
+
+SIGNALS = SIGNAL_NAMES  # named once, at the bottom layer (config parses `K,auto:SIGNAL`)
 
 
 def prefix_edit_distance(a: list[str], b: list[str]) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from agentrl.errors import UserError
-from agentrl.specs import SIGNAL_NAMES, convergence_score
+from agentrl.specs import convergence_score
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,13 @@ def fit_threshold(labels: list[Label], precision: float, min_labels: int, min_su
     n = len(labels)
     if n < max(1, min_labels):
         return Fit(0.0, n, None, 0.0)
-    score = np.array([lb.score for lb in labels])
-    w = np.array([lb.weight for lb in labels])
-    wz = w * np.array([lb.zero for lb in labels], dtype=float)
-    values = np.unique(score)  # sorted distinct scores
-    below_w = np.array([w[score <= v].sum() for v in values])
-    below_wz = np.array([wz[score <= v].sum() for v in values])
-    support = np.array([(score <= v).sum() for v in values])
+    order = np.argsort([lb.score for lb in labels], kind="stable")
+    score = np.array([labels[i].score for i in order])
+    w = np.array([labels[i].weight for i in order])
+    zero = np.array([labels[i].zero for i in order], dtype=float)
+    values = np.unique(score)  # sorted distinct scores; a cut below t takes every label up to the last <= v
+    last = np.searchsorted(score, values, side="right") - 1
+    below_w, below_wz, support = np.cumsum(w)[last], np.cumsum(w * zero)[last], last + 1
     ok = (below_wz / below_w >= precision - 1e-12) & (support >= min_support)
     if not ok.any():
         return Fit(0.0, n, None, 0.0)
@@ -164,4 +164,4 @@ def read_warmup(path: Path, K: int, signal: str) -> list[Label]:
     return out
 
 
-__all__ = ["SIGNAL_NAMES", "AutoThreshold", "Fit", "Label", "fit_threshold", "read_warmup", "wilson"]
+__all__ = ["AutoThreshold", "Fit", "Label", "fit_threshold", "read_warmup", "wilson"]

@@ -28,12 +28,12 @@ class CutStage:
         self.iteration, self._seen, self._looked = 0, [], []
         self.threshold = None
         if gate.auto:
+            from agentrl.config import GateConfig
             from agentrl.select.auto_gate import AutoThreshold, read_warmup
 
-            a = auto
-            warmup = read_warmup(Path(a.warmup), gate.K, gate.signal) if a is not None and a.warmup else None
-            self.threshold = AutoThreshold(gate.signal, *((a.precision, a.min_labels, a.window) if a else ()),
-                                           warmup=warmup)
+            a = auto or GateConfig()
+            warmup = read_warmup(Path(a.warmup), gate.K, gate.signal) if a.warmup else None
+            self.threshold = AutoThreshold(gate.signal, a.precision, a.min_labels, a.window, warmup)
             self._use_fit()
 
     def _use_fit(self) -> None:
@@ -50,7 +50,7 @@ class CutStage:
             return
         fires = self.gate.fires(group.signals[step])
         # the draw is fixed by (seed, task, iteration), whatever order the groups come in
-        audited = fires and self.audit and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit
+        audited = fires and self.audit > 0 and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit
         self._looked.append((group, "audited" if audited else "cut" if fires else "ran"))
         if not fires:
             return

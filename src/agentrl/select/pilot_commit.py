@@ -124,8 +124,6 @@ class PilotCommit:
         n = math.ceil(self.pilot_factor * B)
         out: list[Game] = []
         seen: set[str] = set()
-        if n <= 0:
-            return out
         for game in candidates:
             gid = game.game_id
             if gid in self.evicted or gid in self.buffer or gid in seen or gid in self.committed:

@@ -294,7 +294,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt))
 
         def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
-            return roll(cfg, games, policy, None, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,
+            return roll(cfg, games, policy, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,
                         first_index=first_index)
 
         rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, rollout_of)  # select + rollout + gate
