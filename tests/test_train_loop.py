@@ -374,18 +374,19 @@ def test_tensorboard_and_wandb_hold_what_metrics_jsonl_holds_and_resume_appends(
 
 def test_the_auto_gate_learns_its_threshold_in_a_run_and_resumes_exactly(tmp_path, tiny_actor_dir, script):
     """`--gate 1,auto` (a cut rests on >= 5 labels): the script makes two tasks in three stall (all
-    trajectories the same invalid reply: d_1 = 0, all fail) and the others split (reward variance,
-    d_1 > 0). Iteration 1 has no labels and cuts nothing; from its labels the fit finds a d_L that
-    cuts (or audits) exactly the stalled groups of the next iterations. The labels are in the
-    checkpoint: 2 + resume == 3 straight."""
-    script.modes = ("split", "stall", "stall")
+    trajectories the same invalid reply: d_1 = 0, all fail) and the others wander (trajectory 0
+    wins at step 1, the rest stall: d_1 = 0.5 exactly, then reward variance). Nothing at K = 1
+    depends on what the model samples. Iteration 1 has no labels and cuts nothing; from its labels
+    the fit finds d_L = 0.25, which cuts (or audits) exactly the stalled groups of the next
+    iterations. The labels are in the checkpoint: 2 + resume == 3 straight."""
+    script.modes = ("wander", "stall", "stall")
     auto = {"rollout.gate": "1,auto", "select.gate_audit": 0.5, "gate.min_labels": 5, "rollout.tasks": 10,
             "train.eval_tasks": 0, "learner.lr": 2e-3}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, tiny_cfg(tiny_actor_dir, **auto))
     rows = [r for r in read_metrics(straight) if r["kind"] == "iteration"]
     cut = [r["stages"]["cut"] for r in rows]
-    stalled = [r["groups_cut"] + r["zero_variance_groups"] for r in rows]  # split groups always have variance
+    stalled = [r["groups_cut"] + r["zero_variance_groups"] for r in rows]  # wander groups always have variance
     assert cut[0]["decisions"] == {"groups_cut": 0, "groups_audited": 0}
     assert stalled[0] >= 5, "the run seed's tasks must give the fit 5 stalled groups in iteration 1"
     assert cut[0]["extra"]["auto"]["labelled"] == 10 and 0 < cut[0]["extra"]["auto"]["d_L"] < 0.5
