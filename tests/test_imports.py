@@ -57,3 +57,15 @@ def test_one_machine_never_imports_ray():
             "assert 'ray' not in sys.modules, 'ray imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_learner_layouts_do_not_import_each_other():
+    """remote.py (the learner process) and ray_learner.py (the Ray actor) share handoff.py; neither
+    imports the other, lazily or not, except the factory's one-way choice in remote.make_learner."""
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((SRC / "train" / f"{name}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    assert "agentrl.train.remote" not in imports("ray_learner")
+    assert "agentrl.train.handoff" in imports("ray_learner") and "agentrl.train.handoff" in imports("remote")
+    assert package_graph()["stats"] <= {"errors"}  # the statistics sit at the bottom

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 from agentrl.config import TASK_TYPES, load_config
 from agentrl.env.data import discover_games
 from agentrl.errors import UserError
-from agentrl.train.sft import expert_dataset, micro_batches, round_robin, run_sft, sft_prompt
+from agentrl.train.sft import expert_dataset, lr_lambda, micro_batches, optimizer_steps, round_robin, run_sft, sft_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -246,6 +247,14 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     w0 = load_file(str(out / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
     assert {k.replace(".default", "") for k in wa} == {k.replace(".default", "") for k in w0}  # the warm start's LoRA, continued
+    # every adapter the run wrote carries the warm start's prompt, so evaluating one uses it (a bug once:
+    # adapters/vN had no agentrl.json and were evaluated with the ReAct prompt and its example)
+    for adapter in (straight / "adapters" / "v2", straight / "checkpoints" / "it00002" / "adapter",
+                    resumed / "adapters" / "v2", resumed / "checkpoints" / "it00001" / "adapter"):
+        record = json.loads((adapter / "agentrl.json").read_text())
+        assert record["prompt"] == {"example": "none", "reply": "action"}, adapter
+        evaluated = load_config(None, {"model.adapter": str(adapter)})
+        assert (evaluated.prompt.example, evaluated.prompt.reply) == ("none", "action")
 
 
 def agentrl(*args, cwd=None):
@@ -304,3 +313,22 @@ def test_a_warm_start_is_reused_only_for_the_same_recipe(warm_start, tiny_actor_
     for change in ({"sft.epochs": 4}, {"learner.lora_r": 8}, {"seed": 1}, {"sft.games": 3}):
         assert reusable(sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)} | change), out) is None
     assert reusable(same, out.parent / "nothing-here") is None
+
+
+def test_optimizer_steps_group_micro_batches_up_to_batch_games():
+    order = [["a"], ["b", "c"], ["d"], ["e"], ["f", "g"]]
+    assert optimizer_steps(order, 1) == [[b] for b in order]  # one micro-batch per step
+    assert optimizer_steps(order, 2) == [[["a"], ["b", "c"]], [["d"], ["e"]], [["f", "g"]]]
+    assert optimizer_steps(order, 10) == [order]  # the last step takes what is left
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    s = dataclasses.replace(load_config().sft, warmup=0.1, schedule="cosine", min_lr_ratio=0.1)
+    f = lr_lambda(s, 100)
+    assert [f(n) for n in range(10)] == pytest.approx([(n + 1) / 10 for n in range(10)])  # 10 warm-up steps
+    assert f(10) == pytest.approx(1.0) and f(99) == pytest.approx(0.1)  # peak after the warm-up, floor at the last step
+    assert f(10 + 89 // 2) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (89 // 2) / 89)))
+    assert all(f(n) >= f(n + 1) for n in range(10, 99))  # decays monotonically
+    constant = lr_lambda(dataclasses.replace(s, schedule="constant", warmup=0.0), 100)
+    assert {constant(n) for n in range(100)} == {1.0}
+

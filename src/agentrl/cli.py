@@ -21,6 +21,7 @@ from rich.table import Table
 
 from agentrl.config import SPLITS, TASK_TYPES, load_config
 from agentrl.errors import UserError
+from agentrl.stats import wilson
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO for LLM agents on ALFWorld, with selective rollouts.")
 model_app = typer.Typer(no_args_is_help=True, help="The default model (SmolLM2-135M-Instruct, from a PyPI wheel).")
@@ -71,10 +72,33 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+class LineProgress(Progress):
+    """A progress display for a log (stderr not a terminal, e.g. `make train | tee log`): rich
+    draws no bar there, so each task prints one plain line at most every `every_s` seconds."""
+
+    every_s = 60.0
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        task = self._tasks[task_id]
+        now = time.monotonic()
+        last = getattr(task, "_agentrl_printed", None)
+        if last is None:
+            task._agentrl_printed = now  # the first line comes a minute in: short work prints nothing
+        elif now - last >= self.every_s:
+            task._agentrl_printed = now
+            done = f"{task.completed:.0f}" + (f"/{task.total:.0f}" if task.total is not None else "")
+            info = task.fields.get("info", "")
+            self.console.print(f"{task.description}  {done}  {info}  {time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed",
+                               markup=False, highlight=False)
+
+
 def progress_bar() -> Progress:
-    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed."""
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err)
+    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed (plain lines
+    every minute when stderr is not a terminal)."""
+    cls = Progress if err.is_terminal else LineProgress
+    return cls(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err)
 
 
 # ---------------------------------------------------------------- eval
@@ -134,11 +158,14 @@ def eval_cmd(
 def print_summary(s: dict) -> None:
     title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
     table = Table(title=title)
-    for col in ("task type", "episodes", "won", "success", "mean steps", "invalid/ep"):
+    for col in ("task type", "episodes", "won", "success", "95% CI", "valid actions", "mean steps", "invalid/ep"):
         table.add_column(col, justify="left" if col == "task type" else "right")
 
     def row(name: str, b: dict, style: str | None = None) -> None:
+        lo, hi = b.get("ci95") or wilson(b["won"], b["episodes"]) or (0.0, 0.0)
+        valid = b.get("valid_action_rate")
         table.add_row(name, str(b["episodes"]), str(b["won"]), f"{100 * b['success_rate']:.1f}%",
+                      f"{100 * lo:.1f}–{100 * hi:.1f}%", "-" if valid is None else f"{100 * valid:.0f}%",
                       f"{b['mean_steps']:.1f}", f"{b['invalid_actions_per_episode']:.1f}", style=style)
 
     for name, b in s["by_task_type"].items():
@@ -444,20 +471,49 @@ def print_curve(metrics_file: Path) -> None:
     import json
 
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    evals = {r["iteration"]: r["success"] for r in rows if r["kind"] == "eval"}
+    eval_rows = {r["iteration"]: r for r in rows if r["kind"] == "eval"}
+    evals = {i: eval_text(r) for i, r in eval_rows.items()}
     table = Table(title=f"learning curve · {metrics_file.parent}")
-    for col in ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out"):
+    for col in ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out [95% CI]"):
         table.add_column(col, justify="right")
     if 0 in evals:
-        table.add_row("0", "", "", "", "", f"{100 * evals[0]:.1f}%")
+        table.add_row("0", "", "", "", "", evals[0])
     for r in rows:
         if r["kind"] == "iteration":
             reward = "-" if r["train_reward"] is None else f"{r['train_reward']:.3f}"
-            held = f"{100 * evals[r['iteration']]:.1f}%" if r["iteration"] in evals else ""
             table.add_row(str(r["iteration"]), reward, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
-                          f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", held)
+                          f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", evals.get(r["iteration"], ""))
     console.print(table)
     print_stage_totals([r for r in rows if r["kind"] == "iteration"])
+    line = learning_verdict(list(eval_rows.values()))
+    if line:
+        console.print(f"[bold]{line}[/]")
+
+
+def eval_text(r: dict) -> str:
+    """'16.7% [3.0, 56.4] of 6' for an eval row (older rows without the count: the rate alone)."""
+    n = r.get("tasks", 0)
+    k = r.get("won", round(r["success"] * n))
+    ci = wilson(k, n) if n else None
+    return f"{100 * r['success']:.1f}%" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}] of {n}" if ci else "")
+
+
+def learning_verdict(evals: list[dict]) -> str | None:
+    """One line: did held-out success move beyond noise between the first and the last eval?
+    Paired on the games both evaluated (exact McNemar); None with fewer than two evals."""
+    from agentrl.stats import paired
+
+    evals = sorted(evals, key=lambda r: r["iteration"])
+    if len(evals) < 2 or "outcomes" not in evals[0] or "outcomes" not in evals[-1]:
+        return None
+    first, last = evals[0], evals[-1]
+    r = paired(first["outcomes"], last["outcomes"])
+    head = (f"held-out success, iteration {first['iteration']} -> {last['iteration']}: {100 * r['success_a']:.1f}% -> "
+            f"{100 * r['success_b']:.1f}% on the same {r['games']} games ({r['difference_points']:+.1f} points; "
+            f"{len(r['won_only_by_b'])} games newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
+    if r["mcnemar_p"] < 0.05:
+        return head + ("a gain beyond noise" if r["difference_points"] > 0 else "a loss beyond noise")
+    return head + "not beyond noise"
 
 
 def describe_advantage(cfg) -> str:
@@ -539,8 +595,8 @@ def metrics_line(row: dict, iterations: int) -> str:
     """One line per metrics row: what a user watches while the run goes."""
     if row["kind"] == "eval":
         types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
-        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{100 * row['success']:.1f}%[/] "
-                f"({row['tasks']} tasks, {row['split']})  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
+        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{eval_text(row)}[/] "
+                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
 
     return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
@@ -641,6 +697,36 @@ def report_cmd(
     if len(runs) > 1 and not rep["pairs"]:
         console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
     console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
+
+
+@app.command("compare")
+def compare_cmd(
+    a: Annotated[Path, typer.Argument(help="An `agentrl eval` output directory (or its episodes.jsonl): the reference.")],
+    b: Annotated[Path, typer.Argument(help="Another eval of the same games.")],
+    out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
+) -> None:
+    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only."""
+    from agentrl.compare import compare, verdict
+
+    r = compare(a, b, out)
+    table = Table(title=f"A = {a}  ·  B = {b}")
+    for col in ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", "only A", "only B", "McNemar p"):
+        table.add_column(col, justify="left" if col == "games" else "right")
+
+    def ci(c) -> str:
+        return "-" if c is None else f"{100 * c[0]:.1f}–{100 * c[1]:.1f}%"
+
+    for name, x in [*r["by_task_type"].items(), ("overall", r["overall"])]:
+        table.add_row(f"{name} ({x['games']})", f"{100 * x['success_a']:.1f}%", ci(x["ci95_a"]), f"{100 * x['success_b']:.1f}%",
+                      ci(x["ci95_b"]), f"{x['difference_points']:+.1f}", str(len(x["won_only_by_a"])),
+                      str(len(x["won_only_by_b"])), f"{x['mcnemar_p']:.3g}", style="bold" if name == "overall" else None)
+    console.print(table)
+    o = r["overall"]
+    if o["only_in_a"] or o["only_in_b"]:
+        err.print(f"[yellow]compared the {o['games']} games both ran; {o['only_in_a']} only in A and {o['only_in_b']} only in B left out")
+    console.print(verdict(o))
+    if out is not None:
+        console.print(f"wrote {out / 'compare.json'}")
 
 
 # ---------------------------------------------------------------- doctor

@@ -20,7 +20,7 @@ from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_text
 from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, merge_rollouts, run_lockstep
 from agentrl.sampling import make_sampler
-from agentrl.select.auto_gate import wilson
+from agentrl.stats import wilson
 from agentrl.select.cut import CutStage
 from agentrl.sampling.base import SamplingParams
 

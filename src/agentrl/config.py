@@ -144,8 +144,13 @@ class SftConfig:
     games: int | None = None  # walkthroughs, round-robin over task types; None: every game of the split
     epochs: int = 2
     lr: float = 5e-4
-    token_budget: int = 2048  # tokens per micro-batch (games of similar length batched, no padding waste)
-    batch_games: int = 8  # games per optimizer step (micro-batches accumulate up to it)
+    # 1024 tokens per micro-batch and one micro-batch per step: a walkthrough averages ~740 tokens,
+    # so a step holds one game (two short ones): 120 games x 2 epochs give ~240 optimizer steps
+    token_budget: int = 1024  # tokens per micro-batch (games of similar length batched, no padding waste)
+    batch_games: int = 1  # games per optimizer step (micro-batches accumulate up to it)
+    warmup: float = 0.05  # share of the optimizer steps with a linear lr warm-up from 0
+    schedule: str = "cosine"  # constant | cosine (after the warm-up, decay to min_lr_ratio x lr at the last step)
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     heldout_split: str = "valid_seen"
     heldout_games: int = 12  # walkthroughs whose NLL is measured after each epoch (0: none)
@@ -325,6 +330,9 @@ class Config:
             (self.sft.token_budget >= 64, f"sft.token_budget must be >= 64, got {self.sft.token_budget}"),
             (self.sft.batch_games >= 1, f"sft.batch_games must be >= 1, got {self.sft.batch_games}"),
             (self.sft.grad_clip > 0, f"sft.grad_clip must be > 0, got {self.sft.grad_clip}"),
+            (0 <= self.sft.warmup < 1, f"sft.warmup must be in [0, 1) (a share of the steps), got {self.sft.warmup}"),
+            (self.sft.schedule in ("constant", "cosine"), f"sft.schedule must be constant or cosine, got {self.sft.schedule!r}"),
+            (0 <= self.sft.min_lr_ratio <= 1, f"sft.min_lr_ratio must be in [0, 1], got {self.sft.min_lr_ratio}"),
             (self.sft.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {self.sft.heldout_games}"),
             (self.sft.split in SPLITS and self.sft.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),
         ]
@@ -492,6 +500,19 @@ def adapter_record(adapter: str | Path | None) -> dict | None:
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read {f}: {e}") from None
     return record if isinstance(record, dict) else None
+
+
+def effective_prompt(cfg: "Config") -> dict:
+    """The prompt settings a run actually uses (unset ones at their defaults): what every adapter
+    it writes records in its agentrl.json, so an eval of that adapter uses the same prompt."""
+    return {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react"}
+
+
+def write_adapter_record(adapter_dir: Path, prompt: dict, **extra) -> None:
+    """agentrl.json beside adapter_config.json: the prompt the adapter was trained with (+ extra)."""
+    import json
+
+    (Path(adapter_dir) / ADAPTER_RECORD).write_text(json.dumps({"prompt": dict(prompt), **extra}, indent=2) + "\n")
 
 
 def apply_adapter_prompt(cfg: "Config") -> "Config":

@@ -6,13 +6,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.config import Config
+from agentrl.config import Config, effective_prompt
 from agentrl.env import env_factory, find_games, open_envs, prompt_messages
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
+from agentrl.stats import wilson
 
 
 @dataclass
@@ -36,11 +37,12 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
         by_type[t.game.task_type].append(t)
 
     def block(ts: list[Trajectory]) -> dict:
-        n = len(ts)
+        n, won = len(ts), sum(t.won for t in ts)
         return {
             "episodes": n,
-            "won": sum(t.won for t in ts),
-            "success_rate": sum(t.won for t in ts) / n if n else 0.0,
+            "won": won,
+            "success_rate": won / n if n else 0.0,
+            "ci95": list(wilson(won, n) or (0.0, 0.0)),  # 95% Wilson interval of the success rate
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": sum(t.stop_reason == "env_error" for t in ts),
@@ -48,7 +50,7 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
         }
 
     return {
-        "prompt": {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react"},
+        "prompt": effective_prompt(cfg),
         "split": cfg.eval.split,
         "policy": cfg.eval.policy,
         "model": cfg.model.name if cfg.eval.policy == "model" else None,

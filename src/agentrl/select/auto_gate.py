@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from agentrl.errors import UserError
+from agentrl.stats import wilson
 from agentrl.specs import convergence_score
 
 
@@ -73,16 +74,6 @@ def fit_threshold(labels: list[Label], precision: float, min_labels: int, min_su
     j = int(np.flatnonzero(ok)[np.argmax(below_wz[ok])])
     t = (values[j] + values[j + 1]) / 2 if j + 1 < len(values) else min(1.0, values[j] + 1e-3)
     return Fit(float(t), n, float(below_wz[j] / below_w[j]), float(below_w[j] / w.sum()))
-
-
-def wilson(k: int, n: int) -> tuple[float, float] | None:
-    """95% Wilson score interval of k successes in n (None for n = 0)."""
-    if n == 0:
-        return None
-    from scipy.stats import binomtest
-
-    ci = binomtest(k, n).proportion_ci(0.95, method="wilson")
-    return float(ci.low), float(ci.high)
 
 
 class AutoThreshold:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from agentrl import faults
-from agentrl.config import LearnerConfig
+from agentrl.config import LearnerConfig, write_adapter_record
 from agentrl.rollout.trajectory import is_zero, token_advantages, trained_tokens
 from agentrl.train.loss import grpo_loss, token_logprobs
 
@@ -41,13 +41,16 @@ def lora_config(cfg: LearnerConfig):
 
 
 class Learner:
-    def __init__(self, model, cfg: LearnerConfig, seed: int = 0, init_adapter: str | None = None):
+    def __init__(self, model, cfg: LearnerConfig, seed: int = 0, init_adapter: str | None = None,
+                 prompt: dict | None = None):
         """`init_adapter`: a PEFT LoRA directory (e.g. `agentrl sft`'s) the policy starts from,
-        trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`."""
+        trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`.
+        `prompt`: the run's prompt settings (`config.effective_prompt`), recorded in every adapter
+        this learner writes (agentrl.json), so evaluating one uses the prompt it was trained with."""
         from peft import PeftModel, get_peft_model
 
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
-        self.cfg = cfg
+        self.cfg, self.init_adapter = cfg, init_adapter
         if init_adapter:
             self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
         else:
@@ -58,6 +61,13 @@ class Learner:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
+        self.prompt = prompt
+
+    def _write_adapter(self, path: Path) -> None:
+        self.model.save_pretrained(path, safe_serialization=True)
+        if self.prompt is not None:
+            write_adapter_record(path, self.prompt, written_by="agentrl train", version=self.version,
+                                 init_adapter=self.init_adapter)
 
     @property
     def device(self) -> torch.device:
@@ -137,7 +147,7 @@ class Learner:
         final = root / f"v{self.version}"
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".v{self.version}-"))
         try:
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            self._write_adapter(tmp)
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
@@ -148,7 +158,7 @@ class Learner:
 
     def save_state(self, path: Path) -> None:
         """Adapter, optimizer and torch RNG into `path` (part of a checkpoint; the caller makes it atomic)."""
-        self.model.save_pretrained(path / "adapter", safe_serialization=True)
+        self._write_adapter(path / "adapter")
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")  # LoRA dropout draws from it
 

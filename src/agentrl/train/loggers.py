@@ -47,7 +47,7 @@ def scalars(row: dict) -> dict[str, float]:
             walk({"low": value[0], "high": value[1]}, path)
 
     for key, value in row.items():
-        if key not in ("kind", "iteration"):
+        if key not in ("kind", "iteration", "outcomes"):  # outcomes: one 0/1 per game, for pairing, not a curve
             walk(value, key)
     return out
 

@@ -44,6 +44,7 @@ from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero
 from agentrl.sampling.base import SamplingParams
+from agentrl.stats import wilson
 from agentrl.train import checkpoint
 from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
 
@@ -182,7 +183,9 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     won = [t.won for t in rollout.trajectories]
     return {
         "kind": "eval", "iteration": iteration, "split": cfg.train.eval_split, "tasks": len(won),
-        "success": float(np.mean(won)) if won else 0.0,
+        "success": float(np.mean(won)) if won else 0.0, "won": int(sum(won)),
+        "ci95": list(wilson(int(sum(won)), len(won)) or (0.0, 0.0)),  # a 6-game eval reads as what it is
+        "outcomes": {t.game.game_id: int(t.won) for t in rollout.trajectories},  # per game: evals pair across iterations
         "by_task_type": {k: {"episodes": len(v), "success": float(np.mean(v))} for k, v in sorted(by_type.items())},
         "eval_s": round(time.perf_counter() - t0, 4), "adapter_version": adapter_version,
         **{k: v for k, v in behaviour_metrics(rollout.trajectories).items() if k != "success_by_task_type"},

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agentrl.config import effective_prompt
 from agentrl.errors import UserError
 from agentrl.rollout.gate import Gate, parse_gate
 from agentrl.rollout.signals import SIGNALS, compute_signals
@@ -441,7 +442,7 @@ def run_offpolicy_ab(
 
     results = {}
     for name in arms:
-        learner = Learner(loader(), cfg.learner, seed=cfg.seed)
+        learner = Learner(loader(), cfg.learner, seed=cfg.seed, prompt=effective_prompt(cfg))
         if first is not None:
             _warm_up(learner, first)
         cut = fires if name == "gated" else [False] * len(buffer)

@@ -1,5 +1,5 @@
 """The learner as a Ray actor (`agentrl train --ray-address ...`): the same interface as the
-learner process of the two-device layout (remote.py): update, save_adapter, save_state,
+learner process of the two-device layout (remote.py; what they share is in handoff.py): update, save_adapter, save_state,
 load_state, version, close. Its GPU (when it trains on one) is reserved through a placement
 group. Adapters and checkpoint states travel as bytes through the object store and are written
 by the driver into the run directory, so checkpoints and `--resume` work unchanged whichever
@@ -13,7 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from agentrl.train.remote import LearnerDied, TrainItem, train_items
+from agentrl.config import effective_prompt
+from agentrl.train.handoff import LearnerDied, TrainItem, train_items
 
 
 class LearnerActor:
@@ -26,7 +27,8 @@ class LearnerActor:
         device = "cuda" if gpus else "cpu"  # Ray shows the actor only its own GPU
         cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, device=device))
         model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
-        self.learner = Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter)
+        self.learner = Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter,
+                               prompt=effective_prompt(cfg))
 
     def update(self, items):
         return self.learner.update([(TrainItem(*item), adv) for item, adv in items])

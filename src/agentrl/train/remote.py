@@ -15,31 +15,13 @@ waiting) instead of hanging; the run is resumable from its last checkpoint.
 from __future__ import annotations
 
 import multiprocessing as mp
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.errors import RunError, UserError
+from agentrl.config import effective_prompt
+from agentrl.errors import UserError
+from agentrl.train.handoff import LearnerDied, TrainItem, train_items
 
-
-class LearnerDied(RunError):
-    """The learner process exited; the run stops (exit code 1) and can be resumed."""
-
-
-@dataclass
-class TrainItem:
-    """What the learner needs of a trajectory (it never sees games or text)."""
-
-    token_ids: list[int]
-    action_mask: list[int]
-    logprobs: list[float]
-    step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
-
-
-def train_items(batch) -> list:
-    """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
-    step tokens), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
-    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
-             [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
+__all__ = ["LearnerDied", "RemoteLearner", "TrainItem", "make_learner", "resolve_layout", "train_items"]
 
 
 def resolve_layout(cfg) -> str:
@@ -66,7 +48,7 @@ def make_learner(cfg):
 
     device = cfg.learner.device or cfg.model.device
     model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
-    return Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter)
+    return Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter, prompt=effective_prompt(cfg))
 
 
 def _serve(conn, cfg) -> None:
@@ -77,7 +59,7 @@ def _serve(conn, cfg) -> None:
     try:
         device = cfg.learner.device or cfg.model.device
         learner = Learner(load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0],
-                          cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter)
+                          cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter, prompt=effective_prompt(cfg))
     except BaseException as e:  # noqa: BLE001 - reported to the main process as one line
         conn.send(("error", f"{e.__class__.__name__}: {e}"))
         return

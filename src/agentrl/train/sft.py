@@ -316,7 +316,14 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=cfg.learner.weight_decay)
     batches = micro_batches(data.examples, s.token_budget)
-    steps_per_epoch = math.ceil(len(data.examples) / s.batch_games)
+    rng = random.Random(cfg.seed)
+    orders = []
+    for _ in range(s.epochs):  # every epoch's batch order up front: the lr schedule needs the step count
+        order = batches[:]
+        rng.shuffle(order)  # batches are length buckets; their order is random
+        orders.append(order)
+    epoch_steps = [len(optimizer_steps(order, s.batch_games)) for order in orders]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s, sum(epoch_steps)))
     rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
              "reply_tokens": sum(e.reply_tokens for e in data.examples),
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
@@ -325,19 +332,12 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     rows.append({"kind": "epoch", "epoch": 0, "train_nll": None,
                  "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "elapsed_s": round(replay_s, 3)})
     hooks.done(rows[-1])
-    rng = random.Random(cfg.seed)
     train_t0 = time.perf_counter()
-    for epoch in range(1, s.epochs + 1):
+    for epoch, order in enumerate(orders, start=1):
         policy.train()
-        order = batches[:]
-        rng.shuffle(order)  # batches are length buckets; their order is random
         hooks.phase("train", len(order))
-        epoch_sum, epoch_n, pending, pending_games = 0.0, 0, [], 0
-        for i, batch in enumerate(order):
-            pending.append(batch)
-            pending_games += len(batch)
-            if pending_games < s.batch_games and i < len(order) - 1:
-                continue
+        epoch_sum, epoch_n = 0.0, 0
+        for pending in optimizer_steps(order, s.batch_games):
             n_tokens = sum(sum(e.reply_tokens for e in b) for b in pending)
             optimizer.zero_grad(set_to_none=True)
             for b in pending:  # the token-mean NLL over the step's games, accumulated micro-batch by micro-batch
@@ -346,12 +346,13 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
                 epoch_sum += float(loss_sum.detach())
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
             optimizer.step()
+            scheduler.step()
             epoch_n += n_tokens
             hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
-            pending, pending_games = [], 0
         policy.eval()
         rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
-                     "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "steps": steps_per_epoch,
+                     "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "steps": epoch_steps[epoch - 1],
+                     "lr_end": scheduler.get_last_lr()[0],
                      "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
         hooks.done(rows[-1])
     summary = {
@@ -359,6 +360,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
         "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+                "optimizer_steps": sum(epoch_steps), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((time.perf_counter() - t0) / 60, 2),
@@ -366,6 +368,37 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     }
     write_adapter(policy, out, summary, rows, force)
     return summary
+
+
+def optimizer_steps(order: list[list[Example]], batch_games: int) -> list[list[list[Example]]]:
+    """The epoch's micro-batches grouped into optimizer steps: each step accumulates micro-batches
+    until it holds at least `batch_games` games (the last step takes what is left)."""
+    steps, pending, games = [], [], 0
+    for batch in order:
+        pending.append(batch)
+        games += len(batch)
+        if games >= batch_games:
+            steps.append(pending)
+            pending, games = [], 0
+    if pending:
+        steps.append(pending)
+    return steps
+
+
+def lr_lambda(s, total_steps: int):
+    """The lr factor at optimizer step n (0-based): a linear warm-up over `warmup` x total steps,
+    then constant or a cosine decay to `min_lr_ratio` at the last step."""
+    warm = int(round(s.warmup * total_steps))
+
+    def factor(n: int) -> float:
+        if n < warm:
+            return (n + 1) / warm
+        if s.schedule == "constant":
+            return 1.0
+        progress = (n - warm) / max(total_steps - warm - 1, 1)
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
 
 
 def write_adapter(policy, out: Path, summary: dict, rows: list[dict], force: bool) -> None:

@@ -1,0 +1,87 @@
+"""Wilson intervals, exact McNemar and the paired comparison against hand-worked cases, and
+`agentrl compare` on two eval outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.stats import mcnemar_exact, paired, rate_text, wilson
+
+
+def test_wilson_matches_the_closed_form():
+    # Wilson 95%: (p + z²/2n ± z sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n), z = 1.959964
+    z = 1.959963984540054
+    for k, n in ((1, 6), (0, 10), (12, 140), (140, 140)):
+        p = k / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        assert wilson(k, n) == pytest.approx((max(0.0, centre - half), min(1.0, centre + half)), abs=1e-9)
+    lo, hi = wilson(1, 6)  # the issue's example: 1 game of 6 reads as 3%..56%
+    assert round(100 * lo) == 3 and round(100 * hi) == 56
+    assert wilson(0, 0) is None
+    assert rate_text(1, 6) == "1/6 = 16.7% [3.0, 56.4]"
+
+
+def test_exact_mcnemar_by_hand():
+    # b = 1 won only by A, c = 7 only by B: p = 2 * P(X <= 1), X ~ Bin(8, 1/2) = 2 * 9/256
+    assert mcnemar_exact(1, 7) == pytest.approx(18 / 256)
+    assert mcnemar_exact(0, 6) == pytest.approx(2 / 64)  # 0 of 6 discordant the other way: p = 0.03125
+    assert mcnemar_exact(3, 3) == pytest.approx(1.0)
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(7, 1) == mcnemar_exact(1, 7)  # two-sided
+
+
+def test_paired_comparison_counts_discordant_games_only():
+    a = {"g1": 1, "g2": 0, "g3": 0, "g4": 1, "g5": 0, "x": 1}
+    b = {"g1": 1, "g2": 1, "g3": 1, "g4": 0, "g5": 0, "y": 0}
+    r = paired(a, b)
+    assert r["games"] == 5 and (r["only_in_a"], r["only_in_b"]) == (1, 1)
+    assert (r["won_a"], r["won_b"]) == (2, 3)
+    assert r["difference_points"] == pytest.approx(20.0)
+    assert (r["won_only_by_a"], r["won_only_by_b"]) == (["g4"], ["g2", "g3"])
+    assert r["mcnemar_p"] == pytest.approx(1.0)  # 1 vs 2: p = 2 * P(X <= 1 | Bin(3, 1/2)) = 2 * 4/8 = 1
+    assert r["ci95_a"] == pytest.approx(wilson(2, 5))
+
+
+def write_eval(path, outcomes):
+    path.mkdir()
+    rows = [{"task_id": g, "split": "valid_seen", "task_type": t, "won": bool(w)} for g, t, w in outcomes]
+    (path / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_compare_command_prints_and_writes_the_paired_result(tmp_path):
+    games = [(f"g{i}", "heat" if i % 2 else "cool", 0) for i in range(10)]
+    write_eval(tmp_path / "a", games)
+    write_eval(tmp_path / "b", [(g, t, int(g in {"g1", "g2", "g3", "g4", "g5", "g6"})) for g, t, _ in games])
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "B is above A by 60.0 points on 10 paired games (McNemar p = 0.0312 < 0.05)" in " ".join(proc.stdout.split())
+    r = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert r["overall"]["won_only_by_b"] == [f"valid_seen/g{i}" for i in range(1, 7)]
+    assert set(r["by_task_type"]) == {"cool", "heat"} and r["by_task_type"]["heat"]["won_b"] == 3
+    bad = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no episodes.jsonl" in bad.stderr
+
+
+def test_the_run_summary_says_whether_success_moved_beyond_noise():
+    from agentrl.cli import eval_text, learning_verdict
+
+    games = [f"g{i}" for i in range(10)]
+    first = {"kind": "eval", "iteration": 0, "tasks": 10, "won": 1, "success": 0.1,
+             "outcomes": {g: int(g == "g0") for g in games}}
+    moved = {"kind": "eval", "iteration": 5, "tasks": 10, "won": 7, "success": 0.7,
+             "outcomes": {g: int(g in {"g0", "g1", "g2", "g3", "g4", "g5", "g6"}) for g in games}}
+    same = {**moved, "won": 2, "success": 0.2, "outcomes": {g: int(g in {"g1", "g2"}) for g in games}}
+    assert eval_text(first) == "10.0% [1.8, 40.4] of 10"
+    line = learning_verdict([moved, first])  # in any order: first and last by iteration
+    assert "10.0% -> 70.0% on the same 10 games (+60.0 points; 6 games newly won, 0 lost; exact McNemar p = 0.031)" in line
+    assert line.endswith("a gain beyond noise")
+    assert learning_verdict([first, same]).endswith("not beyond noise")  # +2 -1: p = 1
+    assert learning_verdict([first]) is None
