@@ -104,3 +104,98 @@ def test_zero_advantage_trajectories_cost_nothing_and_change_nothing(tiny_model,
     sb = b.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
     assert sa.step_tokens_trained == sb.step_tokens_trained
     assert sa.grad_l2_norm == pytest.approx(sb.grad_l2_norm * 2 / 3, rel=1e-5)
+
+
+@pytest.fixture
+def four(tiny_model, tokenizer):
+    sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer)
+    prompt = tokenizer("Thought: find the mug\nAction:", add_special_tokens=False).input_ids
+    return [sampled_trajectory(sampler, prompt, seed, i) for i, seed in enumerate((1, 2, 3, 4))]
+
+
+def lora_weights(learner):
+    return [p.detach().clone() for p in learner.params]
+
+
+def test_several_steps_per_iteration_take_todays_single_update_first(tiny_model, four):
+    """epochs 2 x minibatches 2: the first of its 4 optimizer steps is exactly the single GRPO
+    update of today's learner on that minibatch's trajectories; the later ones move further."""
+    batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
+    single = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2))
+    one = single.update(batch[:2])  # minibatch 1 of 2 in batch order (the first epoch keeps it)
+    ppo = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2))
+    after_first, real_step = [], ppo.optimizer.step
+
+    def step(*a, **k):
+        out = real_step(*a, **k)
+        if not after_first:
+            after_first.append(lora_weights(ppo))
+        return out
+
+    ppo.optimizer.step = step
+    stats = ppo.update(batch)
+    assert stats.optimizer_steps == 4 and one.optimizer_steps == 1
+    assert stats.loss == pytest.approx(one.loss, abs=1e-7)  # the first step's loss is today's GRPO loss
+    assert stats.grad_l2_norm == pytest.approx(one.grad_l2_norm, rel=1e-6)
+    for a, b in zip(after_first[0], lora_weights(single)):
+        assert torch.allclose(a, b, atol=1e-7, rtol=0)
+    assert any(not torch.allclose(a, b) for a, b in zip(lora_weights(ppo), after_first[0]))  # then it moved on
+    assert stats.logprob_gap is not None and stats.logprob_gap < 1e-4  # measured before the update
+
+
+def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):
+    batch = [(t, a) for t, a in zip(four, (1.0, -1.0, 0.0, 0.5))]
+    a, b = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))
+    sa, sb = a.update(batch), b.update(batch)
+    assert (sa.loss, sa.grad_l2_norm, sa.clip_fraction) == (sb.loss, sb.grad_l2_norm, 0.0)
+    assert all(torch.equal(x, y) for x, y in zip(lora_weights(a), lora_weights(b)))  # the clip never acts on 1 x 1
+
+
+def test_the_clip_bounds_the_ratio():
+    """Constructed log-probs: with A > 0 a token whose ratio is above 1 + eps gives no gradient
+    (its term is the constant (1 + eps) A); with A < 0 the same holds below 1 - eps; inside the
+    band the term is r A."""
+    from agentrl.train.loss import clipped_loss
+
+    eps = 0.2
+    old = torch.zeros((1, 4))
+    logp = torch.tensor([[0.0, 0.5, -0.5, 0.1]], requires_grad=True)  # r = 1, 1.65, 0.61, 1.105
+    mask = torch.tensor([[0, 1, 1, 1]])
+    loss, clipped = clipped_loss(logp, old, mask, torch.tensor([1.0]), eps, "seq-sum", n_total=1)
+    r = torch.exp(logp.detach())[0]
+    assert float(loss) == pytest.approx(-(min(float(r[1]), 1.2) + float(r[2]) + float(r[3])))  # A>0: 1.65 -> 1.2; 0.61 kept (min)
+    loss.backward()
+    g = logp.grad[0]
+    assert g[0] == 0 and g[1] == 0  # masked; clipped above (no gradient pushes r further up)
+    assert float(g[2]) == pytest.approx(-float(r[2])) and float(g[3]) == pytest.approx(-float(r[3]))
+    assert float(clipped) == pytest.approx(2 / 3)  # 1.65 and 0.61 lie outside [0.8, 1.2]
+    logp.grad = None
+    loss, _ = clipped_loss(logp, old, mask, torch.tensor([-1.0]), eps, "seq-sum", n_total=1)
+    loss.backward()
+    g = logp.grad[0]
+    assert g[2] == 0 and float(g[1]) == pytest.approx(float(r[1])) and float(g[3]) == pytest.approx(float(r[3]))  # A<0: 0.61 clipped at 0.8
+
+
+def test_kl_to_the_warm_start_is_zero_at_the_start_and_pulls_back(tiny_model, four, tmp_path):
+    """With the warm start as reference, KL is 0 before any step (the policy is the reference) and
+    positive after the policy moved; a large beta keeps the policy closer to the reference."""
+    from peft import get_peft_model
+
+    from agentrl.train.learner import lora_config
+
+    warm = get_peft_model(copy.deepcopy(tiny_model), lora_config(cfg()))
+    with torch.no_grad():
+        for n, p in warm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # a warm start that is not the zero init
+    warm.save_pretrained(tmp_path / "warm")
+    batch = [(four[0], 1.0), (four[1], -1.0)]
+    drift = {}
+    for beta in (0.0, 5.0):
+        learner = Learner(copy.deepcopy(tiny_model), cfg(lr=2e-2, epochs=4, kl_coef=beta), init_adapter=str(tmp_path / "warm"))
+        start = lora_weights(learner)
+        stats = learner.update(batch)
+        if beta:
+            assert stats.kl is not None and stats.kl > 0  # steps 2-4 saw a moved policy
+        drift[beta] = sum(float((a - b).pow(2).sum()) for a, b in zip(lora_weights(learner), start))
+    assert drift[5.0] < drift[0.0]

@@ -88,14 +88,19 @@ def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_acto
 
 
 def test_resume_continues_exactly(tmp_path, tiny_actor_dir):
-    """2 iterations, stop, resume to 4 == 4 iterations straight (tasks, samples, losses, weights)."""
+    """2 iterations, stop, resume to 4 == 4 iterations straight (tasks, samples, losses, weights),
+    with the learner taking several clipped steps per iteration (2 epochs x 2 minibatches: the
+    minibatch order and the optimizer's moments must resume too)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_train(straight, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}))
-    run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}))
-    run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}), resume=True)
-    keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained", "adapter_version")
+    ppo = {"learner.epochs": 2, "learner.minibatches": 2, "learner.lr": 5e-3}
+    run_train(straight, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}, **ppo))
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}, **ppo))
+    run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}, **ppo), resume=True)
+    keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained", "adapter_version",
+            "optimizer_steps", "clip_fraction")
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["adapter_version"] for r in a if r["kind"] == "iteration"] == [1, 2, 3, 4]  # four real updates
+    assert [r["optimizer_steps"] for r in a if r["kind"] == "iteration"] == [4, 4, 4, 4]
     assert [r["kind"] for r in a if r["kind"] == "iteration"] == [r["kind"] for r in b if r["kind"] == "iteration"]
     for x, y in zip([r for r in a if r["kind"] == "iteration"], [r for r in b if r["kind"] == "iteration"]):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}

@@ -130,6 +130,13 @@ class LearnerConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # None: no clipping (the norm before clipping is logged either way)
     micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation; same gradient)
+    # several optimizer steps per iteration (PPO-style): `epochs` passes over the iteration's
+    # trajectories, each split into `minibatches` steps, with the clipped ratio against the policy
+    # at the start of the update (1 on the first minibatch: epochs 1 x minibatches 1 = one GRPO step)
+    epochs: int = 1
+    minibatches: int = 1
+    clip: float = 0.2  # eps of the clipped ratio (PPO, verl's clip_ratio)
+    kl_coef: float = 0.0  # beta of a KL(policy || warm start) penalty per action token (needs train.init_adapter)
     loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
     gradient_checkpointing: bool = False
     device: str | None = None  # None: the sampler's (model.device); e.g. cuda:1 for the two-device layout
@@ -324,6 +331,12 @@ class Config:
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
             (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
             (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
+            (self.learner.epochs >= 1, f"learner.epochs must be >= 1, got {self.learner.epochs}"),
+            (self.learner.minibatches >= 1, f"learner.minibatches must be >= 1, got {self.learner.minibatches}"),
+            (0 < self.learner.clip < 1, f"learner.clip must be in (0, 1), got {self.learner.clip}"),
+            (self.learner.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {self.learner.kl_coef}"),
+            (self.learner.kl_coef == 0 or bool(self.train.init_adapter),
+             "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
             (self.sft.epochs >= 1, f"sft.epochs must be >= 1, got {self.sft.epochs}"),
             (self.sft.games is None or self.sft.games >= 1, f"sft.games must be >= 1, got {self.sft.games}"),
             (self.sft.lr > 0, f"sft.lr must be > 0, got {self.sft.lr}"),

@@ -18,7 +18,7 @@ import torch
 from agentrl import faults
 from agentrl.config import LearnerConfig, write_adapter_record
 from agentrl.rollout.trajectory import is_zero, token_advantages, trained_tokens
-from agentrl.train.loss import grpo_loss, token_logprobs
+from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference, token_logprobs
 
 
 @dataclass
@@ -30,6 +30,9 @@ class UpdateStats:
     logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
     skipped: bool = False  # a non-finite loss or gradient: no optimizer step
     stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
+    optimizer_steps: int = 1  # learner.epochs x learner.minibatches, less skipped ones
+    clip_fraction: float = 0.0  # share of action tokens whose ratio was clipped (0 on the first minibatch)
+    kl: float | None = None  # mean KL(policy || warm start) per action token (with learner.kl_coef > 0)
 
 
 def lora_config(cfg: LearnerConfig):
@@ -50,7 +53,7 @@ class Learner:
         from peft import PeftModel, get_peft_model
 
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
-        self.cfg, self.init_adapter = cfg, init_adapter
+        self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
         if init_adapter:
             self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
         else:
@@ -62,6 +65,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
         self.prompt = prompt
+        # KL's reference: the warm start's LoRA weights, frozen (swapped in for a no-grad pass)
+        self.reference = [p.detach().clone() for p in self.params] if cfg.kl_coef > 0 else None
 
     def _write_adapter(self, path: Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)
@@ -107,8 +112,11 @@ class Learner:
                 torch.cuda.empty_cache()
 
     def _update(self, batch: list[tuple[object, object]]) -> UpdateStats:
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        """`learner.epochs` passes over the batch, each `learner.minibatches` optimizer steps, on the
+        clipped ratio against the policy at the start of the update (its log-probs from a no-grad
+        pass). On the very first minibatch the policy has not moved (r = 1), so that step is the
+        GRPO step itself: with 1 x 1 the update is exactly the single step it always was."""
+        cfg = self.cfg
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
         # A = 0 contributes exactly zero to the loss and its gradient in every aggregation (it only
@@ -116,29 +124,113 @@ class Learner:
         # Per-step advantages (GiGPO): a trajectory whose steps are all A = 0 is skipped the same way.
         work = [(t, a) for t, a in batch if not is_zero(a)]
         tokens_trained = sum(trained_tokens(t, a) for t, a in work)
-        loss_sum, gap_sum = 0.0, 0.0
-        for start in range(0, len(work), self.cfg.micro_batch):
-            part = work[start : start + self.cfg.micro_batch]
-            ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
-            adv = self._advantages(part, ids.shape[1])
-            logp = token_logprobs(self.model, ids, attn)
-            loss = grpo_loss(logp, mask, adv, self.cfg.loss_agg, n_total=n_total, tokens_total=tokens_total)
-            loss.backward()
-            faults.point("update")
-            loss_sum += float(loss.detach())
-            gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
         if not work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
-            self.model.eval()
             return UpdateStats(0.0, 0.0, n_total, 0, None, skipped=False, stepped=False)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
-        gap = gap_sum / tokens_trained if tokens_trained else None
-        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        steps = self._plan(len(work))
+        multi = len(steps) > 1
+        # the policy before the update (and the reference's), per trajectory of `work`: needed once a step has moved it
+        old = self._logprobs(work) if multi else None
+        ref = self._logprobs(work, reference=True) if cfg.kl_coef > 0 else None
+        gap = None
+        if old is not None and tokens_trained:
+            gap = sum(float(((o - torch.tensor(t.logprobs, device=o.device)).abs() * torch.tensor(t.action_mask, device=o.device)).sum())
+                      for o, (t, _) in zip(old, work)) / tokens_trained
+        first = UpdateStats(0.0, 0.0, n_total, tokens_trained, None)
+        clipped, kl, skipped_steps = [], [], 0
+        for k, idx in enumerate(steps):
+            self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
-            self.model.eval()
-            return UpdateStats(loss_sum, norm, n_total, tokens_trained, gap, skipped=True, stepped=False)
-        self.optimizer.step()
+            share = len(idx) / len(work)  # a minibatch is normalised as its share of the batch
+            loss_sum, gap_sum, clip_n, kl_sum = 0.0, 0.0, 0.0, 0.0
+            for start in range(0, len(idx), cfg.micro_batch):
+                part_idx = idx[start : start + cfg.micro_batch]
+                part = [work[i] for i in part_idx]
+                ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
+                adv = self._advantages(part, ids.shape[1])
+                logp = token_logprobs(self.model, ids, attn)
+                if k == 0:  # the policy has not moved: r = 1, and the clipped loss's gradient is this one's
+                    loss, c = grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=n_total * share,
+                                        tokens_total=tokens_total * share), 0.0
+                else:
+                    loss, c = clipped_loss(logp, self._stack(old, part_idx, ids.shape[1]), mask, adv, cfg.clip,
+                                           cfg.loss_agg, n_total=n_total * share, tokens_total=tokens_total * share)
+                if ref is not None:
+                    kl_part = kl_to_reference(logp, self._stack(ref, part_idx, ids.shape[1]), mask)
+                    loss = loss + cfg.kl_coef * kl_part / max(1, sum(trained_tokens(t, a) for t, a in (work[i] for i in idx)))
+                    kl_sum += float(kl_part.detach())
+                loss.backward()
+                faults.point("update")
+                loss_sum += float(loss.detach())
+                clip_n += float(c) * float(mask.sum())
+                if k == 0:
+                    gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
+            step_tokens = sum(sum(work[i][0].action_mask) for i in idx)
+            clipped.append(clip_n / max(1, step_tokens))
+            kl.append(kl_sum / max(1, step_tokens))
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip or math.inf))
+            if k == 0:
+                first = UpdateStats(loss_sum, norm, n_total, tokens_trained,
+                                    gap if gap is not None else (gap_sum / tokens_trained if tokens_trained else None))
+            if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped_steps += 1
+                if k == 0:  # the batch itself is bad: stop here, as a single step would
+                    self.model.eval()
+                    first.skipped, first.stepped = True, False
+                    return first
+                continue
+            self.optimizer.step()
         self.model.eval()
-        return UpdateStats(loss_sum, norm, n_total, tokens_trained, gap)
+        first.optimizer_steps = len(steps) - skipped_steps
+        first.clip_fraction = sum(clipped) / len(clipped)
+        first.kl = sum(kl) / len(kl) if ref is not None else None
+        return first
+
+    def _plan(self, n: int) -> list[list[int]]:
+        """The optimizer steps of one update: per epoch a permutation of the trajectories (seeded by
+        the run seed and adapter version: a resumed run draws the same), cut into `minibatches`
+        near-equal parts. The first epoch keeps the batch order."""
+        cfg = self.cfg
+        m = min(cfg.minibatches, n)
+        out = []
+        for epoch in range(cfg.epochs):
+            if epoch == 0:
+                order = list(range(n))
+            else:
+                g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.version * 1009 + epoch) & 0x7FFFFFFF)
+                order = torch.randperm(n, generator=g).tolist()
+            bounds = [round(i * n / m) for i in range(m + 1)]
+            out += [order[bounds[i]:bounds[i + 1]] for i in range(m)]
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, work, reference: bool = False) -> list[torch.Tensor]:
+        """Per trajectory, its token log-probs under the current policy (or the reference: the warm
+        start's LoRA weights swapped in for the pass), in eval mode (no dropout)."""
+        self.model.eval()
+        saved = None
+        if reference:
+            saved = [p.detach().clone() for p in self.params]
+            for p, r in zip(self.params, self.reference):
+                p.copy_(r)
+        try:
+            out = []
+            for start in range(0, len(work), self.cfg.micro_batch):
+                part = [t for t, _ in work[start : start + self.cfg.micro_batch]]
+                ids, attn, _, _ = self._pad(part)
+                logp = token_logprobs(self.model, ids, attn)
+                out += [logp[i, : len(t.token_ids)].clone() for i, t in enumerate(part)]
+            return out
+        finally:
+            if saved is not None:
+                for p, w in zip(self.params, saved):
+                    p.copy_(w)
+
+    def _stack(self, rows: list[torch.Tensor], idx: list[int], width: int) -> torch.Tensor:
+        out = torch.zeros((len(idx), width), device=self.device)
+        for j, i in enumerate(idx):
+            out[j, : rows[i].shape[0]] = rows[i]
+        return out
 
     def save_adapter(self, root: Path) -> Path:
         """Write the adapter as `root/v{n+1}` (PEFT format, safetensors) atomically; return its path."""

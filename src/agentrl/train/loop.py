@@ -116,6 +116,10 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "rollout_adapter_versions": sorted({v or 0 for t in rollout.trajectories for v in t.adapter_versions}),
         "logprob_gap": stats.logprob_gap,
         "skipped_update": stats.skipped,
+        # learner.epochs x minibatches: the steps taken, the share of action tokens clipped, KL to the warm start
+        "optimizer_steps": stats.optimizer_steps if stats.stepped else 0,
+        "clip_fraction": stats.clip_fraction,
+        "kl_to_warm_start": stats.kl,
         **behaviour_metrics(rollout.trajectories),
     }
 

@@ -73,3 +73,42 @@ def grpo_loss(
     if agg == "seq-mean-token-mean":
         return -(weighted / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+def clipped_loss(
+    token_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    action_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    clip: float,
+    agg: str = "seq-sum",
+    n_total: float | None = None,
+    tokens_total: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate in place of A logp, aggregated as `grpo_loss`: per action token
+    r = exp(logp - logp_old), term = min(r A, clip(r, 1 - eps, 1 + eps) A). Where logp_old is the
+    current policy (the first minibatch of an update) r = 1 and the gradient is exactly
+    `grpo_loss`'s (d r / d logp = 1). Returns (loss, share of action tokens whose ratio was clipped)."""
+    mask = action_mask.to(token_logp.dtype)
+    adv = advantages.to(token_logp.dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand_as(token_logp)
+    ratio = torch.exp((token_logp - old_logp) * mask)  # masked positions: r = 1, weight 0
+    term = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    weighted = (term * mask).sum(dim=1)
+    clipped = (((ratio < 1 - clip) | (ratio > 1 + clip)).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+    if agg == "seq-sum":
+        return -weighted.sum() / (n_total or token_logp.shape[0]), clipped
+    if agg == "token-mean":
+        return -weighted.sum() / max(1, tokens_total or float(mask.sum())), clipped
+    if agg == "seq-mean-token-mean":
+        return -(weighted / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0]), clipped
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+def kl_to_reference(token_logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Sum over action tokens of the k3 estimator of KL(policy || reference) (Schulman's
+    low-variance estimator, verl's low_var_kl): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    mask = action_mask.to(token_logp.dtype)
+    d = (ref_logp - token_logp) * mask
+    return ((torch.exp(d) - d - 1) * mask).sum()
