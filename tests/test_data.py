@@ -88,3 +88,13 @@ def test_unsolvable_games_are_filtered(tmp_path, games):
     bad = make_split(tmp_path, games["look_at_obj_in_light"], json.dumps(data | {"solvable": False}))
     scan = scan_split(tmp_path, "valid_seen")
     assert len(scan.games) == 1 and scan.unsolvable == [bad]
+
+
+def test_rollout_skip_tasks_takes_the_next_games_of_the_split(data_root):
+    """`agentrl rollout --skip-tasks N`: tasks disjoint from an earlier rollout of the first N."""
+    from agentrl.collect import load_games
+    from agentrl.config import load_config
+
+    first = load_games(load_config(None, {"rollout.split": "valid_seen", "rollout.tasks": 5}))
+    later = load_games(load_config(None, {"rollout.split": "valid_seen", "rollout.tasks": 2, "rollout.skip_tasks": 3}))
+    assert [g.game_id for g in later] == [g.game_id for g in first[3:]]

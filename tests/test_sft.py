@@ -42,14 +42,23 @@ def masked_runs(ids, mask):
     return runs + ([current] if current else [])
 
 
-def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenizer):
+@pytest.mark.parametrize("admissible", [False, True])
+def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenizer, admissible):
     """One masked reply per walkthrough step, each decoding to exactly `Action: <cmd>` and its
     end-of-turn token; the ids equal the chat template's rendering of the same conversation
-    (system prompt, no example, the env's observations), built here independently."""
+    (system prompt, no example, the env's observations; with prompt.admissible each followed by
+    the admissible commands), built here independently."""
     from agentrl.env import AlfworldEnv
     from agentrl.prompt import episode_messages
 
-    cfg = sft_cfg()
+    cfg = sft_cfg(**{"prompt.admissible": admissible})
+
+    def shown(result):
+        if not admissible:
+            return result.observation
+        assert result.admissible
+        return result.observation + "\nAdmissible actions: " + ", ".join(result.admissible) + "."
+
     chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
     data = expert_dataset(cfg, chosen, tokenizer, envs=None, cache_dir=tmp_path)
     assert not data.skipped and [e.game_id for e in data.examples] == [g.game_id for g in chosen]
@@ -57,14 +66,14 @@ def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenize
         runs = masked_runs(example.token_ids, example.action_mask)
         assert [tokenizer.decode(r) for r in runs] == [f"Action: {c}<|im_end|>" for c in game.walkthrough]
         env = AlfworldEnv(game)
-        first = env.reset().observation
+        first = shown(env.reset())
         messages = episode_messages(game.task_type, first, example="none", reply="action")
         assert messages[0]["role"] == "system" and sum(m["role"] == "assistant" for m in messages) == 0  # no example
         for i, command in enumerate(game.walkthrough):
             messages.append({"role": "assistant", "content": f"Action: {command}"})
             step = env.step(command)
             if i < len(game.walkthrough) - 1:
-                messages.append({"role": "user", "content": step.observation})
+                messages.append({"role": "user", "content": shown(step)})
         assert step.won
         env.close() if hasattr(env, "close") else None
         rendered = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
@@ -252,7 +261,7 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     for adapter in (straight / "adapters" / "v2", straight / "checkpoints" / "it00002" / "adapter",
                     resumed / "adapters" / "v2", resumed / "checkpoints" / "it00001" / "adapter"):
         record = json.loads((adapter / "agentrl.json").read_text())
-        assert record["prompt"] == {"example": "none", "reply": "action"}, adapter
+        assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False}, adapter
         evaluated = load_config(None, {"model.adapter": str(adapter)})
         assert (evaluated.prompt.example, evaluated.prompt.reply) == ("none", "action")
 

@@ -186,6 +186,7 @@ def print_summary(s: dict) -> None:
 def rollout_cmd(
     split: Annotated[Optional[str], typer.Option(help=f"One of {', '.join(SPLITS)} (default train).")] = None,
     tasks: Annotated[Optional[int], typer.Option(help="B: number of tasks (groups).")] = None,
+    skip_tasks: Annotated[Optional[int], typer.Option(help="Start after the split's first N games (tasks disjoint from an earlier rollout's).")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", "-G", help="G: trajectories per task.")] = None,
     max_steps: Annotated[Optional[int], typer.Option(help="T_max (default 30).")] = None,
     gate: Annotated[Optional[str], typer.Option(help="K,d_L (default 10,0.12), K,auto (d_L fitted between --rounds; needs --gate-audit) or off.")] = None,
@@ -215,7 +216,7 @@ def rollout_cmd(
     cfg = load_config(config, {
         "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
         "sampling.backend": sampler, "sampling.temperature": temperature, "sampling.max_new_tokens": max_new_tokens,
-        "rollout.split": split, "rollout.tasks": tasks, "rollout.group_size": group_size,
+        "rollout.split": split, "rollout.tasks": tasks, "rollout.skip_tasks": skip_tasks, "rollout.group_size": group_size,
         "rollout.max_steps": max_steps, "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau,
         "rollout.rounds": rounds, "select.gate_audit": gate_audit,
         "env.workers": env_workers, "cluster.ray_address": ray_address, "sampling.replicas": sampler_replicas,

@@ -17,6 +17,7 @@ from scipy import stats as sps
 
 from agentrl.config import Config
 from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
 from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, merge_rollouts, run_lockstep
 from agentrl.sampling import make_sampler
@@ -30,7 +31,7 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
     return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir,
-                       messages=prompt_messages(cfg.env.kind, cfg.prompt))
+                       messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible))
 
 
 def roll(cfg: Config, games, policy: ModelPolicy, on_step=None, on_reset=None, envs=None,
@@ -244,4 +245,9 @@ def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None
 
 
 def load_games(cfg: Config):
-    return find_games(cfg.env.kind, cfg.rollout.split, cfg.data.root, limit=cfg.rollout.tasks)
+    """`agentrl rollout`'s B games: the split's first `skip_tasks + tasks` (task types interleaved), less the skipped."""
+    skip = cfg.rollout.skip_tasks
+    games = find_games(cfg.env.kind, cfg.rollout.split, cfg.data.root, limit=skip + cfg.rollout.tasks)[skip:]
+    if not games:
+        raise UserError(f"no games left in {cfg.rollout.split} after skipping the first {skip}")
+    return games

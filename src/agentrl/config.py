@@ -68,6 +68,8 @@ class PromptConfig:
     # None: what the adapter in use was trained with (its agentrl.json), else type / react
     example: str | None = None  # type (one in-context example of the task type) | none
     reply: str | None = None  # react (Thought + Action) | action (Action only, as warm starts are taught)
+    # list the admissible commands after every observation (verl-agent's ALFWorld prompt); None: the adapter's, else off
+    admissible: bool | None = None
 
 
 @dataclass
@@ -102,6 +104,7 @@ class RolloutConfig:
     split: str = "train"
     task_types: list[str] = field(default_factory=list)  # train on these task types only (empty: all)
     tasks: int = 10  # B
+    skip_tasks: int = 0  # `agentrl rollout`: start after the split's first N games (e.g. tasks disjoint from an earlier rollout's)
     group_size: int = 8  # G
     max_steps: int | None = None  # None: env.max_steps
     gate: str = "10,0.12"  # "K,d_L" or "off"
@@ -331,6 +334,8 @@ class Config:
             (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
             (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
             (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
+            (self.prompt.admissible in (None, True, False), f"prompt.admissible must be true or false, got {self.prompt.admissible!r}"),
+            (self.rollout.skip_tasks >= 0, f"rollout.skip_tasks must be >= 0, got {self.rollout.skip_tasks}"),
             (self.learner.epochs >= 1, f"learner.epochs must be >= 1, got {self.learner.epochs}"),
             (self.learner.minibatches >= 1, f"learner.minibatches must be >= 1, got {self.learner.minibatches}"),
             (0 < self.learner.clip < 1, f"learner.clip must be in (0, 1), got {self.learner.clip}"),
@@ -518,7 +523,8 @@ def adapter_record(adapter: str | Path | None) -> dict | None:
 def effective_prompt(cfg: "Config") -> dict:
     """The prompt settings a run actually uses (unset ones at their defaults): what every adapter
     it writes records in its agentrl.json, so an eval of that adapter uses the same prompt."""
-    return {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react"}
+    return {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react",
+            "admissible": bool(cfg.prompt.admissible)}
 
 
 def write_adapter_record(adapter_dir: Path, prompt: dict, **extra) -> None:
@@ -533,7 +539,7 @@ def apply_adapter_prompt(cfg: "Config") -> "Config":
     start is never evaluated or trained with the wrong prompt by accident."""
     adapter = cfg.train.init_adapter or cfg.model.adapter
     trained = (adapter_record(adapter) or {}).get("prompt", {})
-    for key, allowed in (("example", PROMPT_EXAMPLES), ("reply", PROMPT_REPLIES)):
-        if getattr(cfg.prompt, key) is None and trained.get(key) in allowed:
+    for key, allowed in (("example", PROMPT_EXAMPLES), ("reply", PROMPT_REPLIES), ("admissible", (True, False))):
+        if getattr(cfg.prompt, key) is None and key in trained and trained[key] in allowed:
             setattr(cfg.prompt, key, trained[key])
     return cfg

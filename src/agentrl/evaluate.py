@@ -28,7 +28,8 @@ def build_policy(cfg: Config, sampler=None):
         return WalkthroughPolicy()
     sampler = sampler or make_sampler(cfg)
     greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt))
+    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
+                       admissible=bool(cfg.prompt.admissible))
 
 
 def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict:

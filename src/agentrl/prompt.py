@@ -84,6 +84,12 @@ def episode_messages(task_type: str, first_observation: str, prompt_dir: str | N
     return messages + [{"role": "user", "content": first_observation}]
 
 
+def with_admissible(observation: str, commands: list[str]) -> str:
+    """`prompt.admissible`: the observation followed by the commands the game accepts now (the
+    field's ALFWorld prompt, verl-agent's, lists them too); a reply naming one is always valid."""
+    return f"{observation}\nAdmissible actions: {', '.join(commands)}." if commands else observation
+
+
 def reply_text(command: str, reply: str) -> str:
     """The reply that teaches `command` in the given format (what parse_action reads back)."""
     if reply == "action":

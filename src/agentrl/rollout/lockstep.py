@@ -20,7 +20,7 @@ from agentrl import faults
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
-from agentrl.prompt import ChatRenderer, episode_messages
+from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
 from agentrl.rollout.signals import command_symbol, compute_signals
 from agentrl.rollout.trajectory import Step, Trajectory
 from agentrl.sampling.base import Sampler, SamplingParams
@@ -47,14 +47,15 @@ class ModelPolicy:
     """Acts by sampling from a Sampler; builds each trajectory's exact tokens as it goes."""
 
     def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None,
-                 messages: Callable[[str, str, str | None], list[dict]] = episode_messages):
+                 messages: Callable[[str, str, str | None], list[dict]] = episode_messages, admissible: bool = False):
         self.sampler, self.params, self.seed, self.prompt_dir = sampler, params, seed, prompt_dir
         self.messages = messages  # (task_type, first observation, prompt_dir) -> chat messages
+        self.admissible = admissible  # prompt.admissible: each observation lists the admissible commands
         self.renderer = ChatRenderer(sampler.tokenizer)
         self._stopped: dict[int, bool] = {}
 
     def start(self, traj: Trajectory) -> None:
-        messages = self.messages(traj.game.task_type, traj.initial_observation, self.prompt_dir)
+        messages = self.messages(traj.game.task_type, self._shown(traj.initial_observation, traj), self.prompt_dir)
         traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
@@ -93,7 +94,11 @@ class ModelPolicy:
         return dataclasses.replace(c, token_ids=ids, logprobs=c.logprobs[:n], text=text, finish_reason="length")
 
     def observe(self, traj: Trajectory, observation: str) -> None:
-        traj.append(self.renderer.observation(observation, self._stopped.pop(id(traj), False)), generated=False)
+        traj.append(self.renderer.observation(self._shown(observation, traj), self._stopped.pop(id(traj), False)),
+                    generated=False)
+
+    def _shown(self, observation: str, traj: Trajectory) -> str:
+        return with_admissible(observation, traj.admissible) if self.admissible else observation
 
     def finish(self, trajs: list[Trajectory]) -> None:
         """These trajectories ended: the sampler frees what it kept for them (their KV slots)."""

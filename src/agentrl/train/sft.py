@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config
+from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
 from agentrl.env import env_factory, find_games, prompt_messages
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, SamplingParams
@@ -132,6 +132,8 @@ def dataset_key(games, cfg: Config, tokenizer) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([DATASET_VERSION, cfg.env.kind, cfg.prompt.example, cfg.prompt.reply,
                          [(g.game_id, g.split, list(g.walkthrough)) for g in games]]).encode())
+    if cfg.prompt.admissible:  # (only when on: the caches built before the option keep their keys)
+        h.update(b"admissible")
     files = [prompt_dir / SYSTEM_FILES[cfg.prompt.reply or "react"]]
     if cfg.prompt.example == "type":
         files += sorted((prompt_dir / "examples").glob("*.txt"))
@@ -157,7 +159,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
     longest = max((len(g.walkthrough) for g in games), default=0)
     policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, prompt_dir=cfg.prompt.dir,
-                         messages=prompt_messages(cfg.env.kind, cfg.prompt))
+                         messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible))
     rollout = run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
                            make_env=env_factory(cfg.env.kind), envs=envs, on_step=on_step) if games else None
     examples, skipped = [], [(g.game_id, "no walkthrough") for g in no_walkthrough]
@@ -263,7 +265,8 @@ def recipe(cfg: Config) -> dict:
 
     lc = cfg.learner
     return {"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
-            "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir},
+            "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
+                       **({"admissible": True} if cfg.prompt.admissible else {})},
             "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
                      "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
             "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION}
@@ -356,7 +359,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
                      "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
         hooks.done(rows[-1])
     summary = {
-        "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply},
+        "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
         "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
