@@ -1,23 +1,35 @@
-"""Does agentrl learn real ALFWorld? The warm start, then GRPO with and without the gate (a script, not a test).
+"""Does agentrl learn real ALFWorld? The warm start, then GRPO arms, evaluated on every held-out game
+(a script, not a test).
 
-Runs the commands a user runs, in one work directory, and prints one summary:
+Runs the commands a user runs, in one work directory, from one config (default
+configs/learning.yaml: its sft recipe, B, G, T_max, iterations, gate, learner), and writes a
+learning curve:
 
-1. `agentrl sft` on N train walkthroughs (round-robin over task types)      -> W/warmstart
-2. greedy `agentrl eval` of the base model and of the warm start on every valid_seen and every
-   valid_unseen game (T_max 30)                                            -> W/eval-*
-3. two `agentrl train --init-adapter W/warmstart` runs, same seed: the gate (10, 0.12) with
-   --gate-audit, and no gate; `agentrl report` on the pair (the paper's Table 5 analogue)
-4. `agentrl rollout --tier1-ab` with the warm start (Table 3 analogue) and `agentrl analyze`
-   on its ungated groups
+1. `agentrl sft --config C`                                              -> W/warmstart
+2. greedy `agentrl eval` of the warm start on all valid_seen and all valid_unseen games
+   (T_max of the config's eval)                                          -> W/eval/warmstart-it0/<split>
+3. per arm (default: the config's gate with --gate-audit, and no gate), `agentrl train
+   --init-adapter W/warmstart`, in segments of `--eval-every` iterations (`--resume` between
+   them); after each segment its checkpoint's adapter (which carries the warm start's prompt)
+   is evaluated like the warm start                                      -> W/<arm>, W/eval/<arm>-itN/<split>
+4. the learning curve: success with 95% Wilson intervals vs iteration and vs rollout
+   step-tokens, per split and arm (curve.md, curve.csv, curve.png), each arm's last eval paired
+   with the warm start's on the same games (exact McNemar), and the arms paired with each other.
 
-Usage (CPU, about two hours at the defaults; see the README for the GPU line):
-    python benchmarks/bench_learning.py --work runs/bench-learning
-Every step is skipped when its output already exists, so an interrupted run continues.
+Every command is skipped when its output exists and a killed run resumes from its last
+checkpoint, so `python benchmarks/bench_learning.py --work W` run again continues where it
+stopped (across sessions too).
+
+Usage:
+    python benchmarks/bench_learning.py --work runs/bench-learning                        # configs/learning.yaml (2-core CPU)
+    python benchmarks/bench_learning.py --work runs/bench-gpu --config configs/gpu.yaml  # one GPU
+    python benchmarks/bench_learning.py --work W --eval-limit 24 --iterations 4           # a smaller reading
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import platform
@@ -26,33 +38,23 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 AGENTRL = [sys.executable, "-m", "agentrl.cli"]
+SPLITS = ("valid_seen", "valid_unseen")
 
 
-def run(args: list[str], done: Path, log: Path, parallel: bool = False):
+def run(args: list[str], done: Path, log: Path) -> None:
     """Run one agentrl command unless `done` exists; its output goes to `log`."""
     if done.exists():
-        print(f"  have {done}")
-        return None
+        return
     print("  $ agentrl " + " ".join(args), flush=True)
-    f = open(log, "a")
-    p = subprocess.Popen(AGENTRL + args, stdout=f, stderr=subprocess.STDOUT)
-    if parallel:
-        return p
-    if p.wait() != 0:
+    with open(log, "a") as f:
+        f.write(f"\n$ agentrl {' '.join(args)}\n")
+        f.flush()
+        p = subprocess.run(AGENTRL + args, stdout=f, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
         sys.exit(f"failed (exit {p.returncode}): agentrl {' '.join(args)}; see {log}")
-    return None
-
-
-def wait_all(procs: list, log: Path) -> None:
-    for p in procs:
-        if p is not None and p.wait() != 0:
-            sys.exit(f"failed (exit {p.returncode}): {' '.join(p.args)}; see {log}")
-
-
-def success(summary: Path) -> str:
-    o = json.loads(summary.read_text())["overall"]
-    return f"{o['won']}/{o['episodes']} ({100 * o['success_rate']:.1f}%)"
 
 
 def machine() -> str:
@@ -62,111 +64,171 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}"
 
 
+def outcomes(eval_dir: Path) -> dict[str, float]:
+    rows = [json.loads(x) for x in (eval_dir / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    return {f"{r['split']}/{r['task_id']}": float(r["won"]) for r in rows}
+
+
+def summary(eval_dir: Path) -> dict:
+    return json.loads((eval_dir / "summary.json").read_text())["overall"]
+
+
+def last_iteration(run_dir: Path) -> int:
+    latest = run_dir / "checkpoints" / "latest"
+    return int(latest.read_text().strip()[2:]) if latest.is_file() else 0
+
+
+def step_tokens_by_iteration(run_dir: Path) -> dict[int, int]:
+    """Cumulative rollout step-tokens after each iteration (metrics.jsonl)."""
+    total, out = 0, {0: 0}
+    f = run_dir / "metrics.jsonl"
+    for line in f.read_text().splitlines() if f.is_file() else []:
+        r = json.loads(line)
+        if r.get("kind") == "iteration":
+            total += r.get("step_tokens_generated", 0)
+            out[r["iteration"]] = total
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("runs/bench-learning"))
-    ap.add_argument("--config", default="configs/learning.yaml", help="the model, LoRA rank and prompt of every step")
-    ap.add_argument("--games", type=int, default=120, help="train walkthroughs for the warm start")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all)")
-    ap.add_argument("--base-eval-limit", type=int, default=None, help="held-out games for the base model (default: --eval-limit)")
-    ap.add_argument("--arm-eval-limit", type=int, default=None,
-                    help="valid_seen games each GRPO arm's final adapter is evaluated on (default: --eval-limit); "
-                         "the first N of the warm start's eval, so the two compare game for game")
-    ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--tasks", type=int, default=4, help="B")
-    ap.add_argument("--group-size", type=int, default=4, help="G")
-    ap.add_argument("--eval-tasks", type=int, default=0,
-                    help="H: valid_seen games of train's own evals (default 0: each arm's final adapter is evaluated "
-                         "afterwards by `agentrl eval` on the warm start's games, so iteration 0 is not run twice)")
-    ap.add_argument("--max-steps", type=int, default=30, help="T_max of every rollout and eval")
-    ap.add_argument("--gate", default="10,0.12")
-    ap.add_argument("--tier1-tasks", type=int, default=16)
-    ap.add_argument("--parallel-arms", action="store_true", help="run the two GRPO arms at once (a GPU machine)")
+    ap.add_argument("--config", default="configs/learning.yaml", help="every step's settings (sft recipe, B, G, T_max, gate, learner)")
+    ap.add_argument("--iterations", type=int, default=None, help="GRPO iterations per arm (default: the config's)")
+    ap.add_argument("--eval-every", type=int, default=None, help="iterations between curve points (default: the config's train.eval_every)")
+    ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all 140 / 134)")
+    ap.add_argument("--arms", default="gated,ungated", help="gated (the config's gate, --gate-audit 0.25) and/or ungated")
+    ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
     args = ap.parse_args()
 
+    cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+    train_cfg = cfg.get("train", {})
+    iterations = args.iterations or train_cfg.get("iterations", 10)
+    every = args.eval_every or train_cfg.get("eval_every", iterations)
+    t_max = (cfg.get("eval") or {}).get("max_steps") or (cfg.get("env") or {}).get("max_steps", 30)
+    gate = (cfg.get("rollout") or {}).get("gate", "10,0.12")
     w = args.work
-    w.mkdir(parents=True, exist_ok=True)
+    (w / "eval").mkdir(parents=True, exist_ok=True)
     log = w / "commands.log"
-    common = ["--config", args.config]
-    workers = ["--env-workers", args.env_workers]
+    common = ["--config", args.config, "--env-workers", args.env_workers]
     t0 = time.perf_counter()
-    timings = {}
-    print(f"machine: {machine()}; work dir {w}")
-
-    def timed(name, fn):
-        t = time.perf_counter()
-        fn()
-        timings[name] = round((time.perf_counter() - t) / 60, 2)
+    print(f"machine: {machine()}; work dir {w}; config {args.config}: {iterations} iterations, a curve point every {every}")
 
     ws = w / "warmstart"
-    timed("sft", lambda: run(["sft", "--out", str(ws), "--games", str(args.games), "--epochs", str(args.epochs),
-                              *common, *workers], ws, log))
+    run(["sft", "--out", str(ws), "--reuse", "--force", "--config", args.config, "--env-workers", args.env_workers],
+        ws / "agentrl.json", log)
 
-    def evals():
-        for split in ("valid_seen", "valid_unseen"):
-            for name, extra, limit in (("base", [], args.base_eval_limit or args.eval_limit),
-                                       ("warmstart", ["--adapter", str(ws)], args.eval_limit)):
-                out = w / f"eval-{name}-{split}"
-                lim = ["--limit", str(limit or 100_000)]  # default: every game of the split
-                run(["eval", "--split", split, "--max-steps", str(args.max_steps), "--out", str(out), *lim, *extra, *common, *workers],
-                    out / "summary.json", log)
-    timed("evals", evals)
+    def evaluate(name: str, adapter: Path) -> None:
+        for split in SPLITS:
+            out = w / "eval" / name / split
+            run(["eval", "--split", split, "--max-steps", str(t_max), "--limit", str(args.eval_limit or 100_000),
+                 "--adapter", str(adapter), "--out", str(out), *common], out / "summary.json", log)
 
-    def arms():
-        procs = []
-        for name, gate in (("gated", [args.gate, "--gate-audit", "0.25"]), ("ungated", ["off"])):
-            out = w / name
-            if (out / "done").exists():
-                print(f"  have {out}")
+    evaluate("warmstart-it0", ws)
+    arms = {"gated": ["--gate", gate, "--gate-audit", args.gate_audit], "ungated": ["--gate", "off", "--gate-audit", "0"]}
+    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for arm in chosen:
+        out = w / arm
+        for target in range(every, iterations + 1, every) if every else [iterations]:
+            if last_iteration(out) < target:
+                if last_iteration(out) == 0:
+                    run(["train", "--out", str(out), "--force", "--init-adapter", str(ws), "--iterations", str(target),
+                         "--eval-tasks", "0", *arms[arm], *common], out / "checkpoints" / f"it{target:05d}", log)
+                else:
+                    run(["train", "--resume", str(out), "--iterations", str(target)],
+                        out / "checkpoints" / f"it{target:05d}", log)
+            # the checkpoint's adapter carries the warm start's prompt (agentrl.json); copy it before the next segment prunes it
+            keep = w / "adapters" / f"{arm}-it{target}"
+            if not keep.exists():
+                import shutil
+
+                shutil.copytree(out / "checkpoints" / f"it{target:05d}" / "adapter", keep)
+            evaluate(f"{arm}-it{target}", keep)
+    write_curve(w, chosen, iterations, every, args.config)
+    print(f"\nall done in {(time.perf_counter() - t0) / 60:.1f} min; {w / 'curve.md'}")
+
+
+def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from agentrl.stats import paired, wilson
+
+    rows = []
+    points = [("warmstart", 0, w / "eval" / "warmstart-it0")]
+    for arm in arms:
+        tokens = step_tokens_by_iteration(w / arm)
+        points += [(arm, it, w / "eval" / f"{arm}-it{it}") for it in range(every, iterations + 1, every)]
+        for split in SPLITS:
+            rows.append({"arm": arm, "iteration": 0, "split": split, **point(w / "eval" / "warmstart-it0" / split, 0, wilson)})
+        for it in range(every, iterations + 1, every):
+            for split in SPLITS:
+                d = w / "eval" / f"{arm}-it{it}" / split
+                if (d / "summary.json").is_file():
+                    rows.append({"arm": arm, "iteration": it, "split": split, **point(d, tokens.get(it), wilson)})
+    with open(w / "curve.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["arm"])
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# Learning curve ({time.strftime('%Y-%m-%d')}, {machine()}, {config})", "",
+             "| arm | iteration | rollout step-tokens | split | won | success [95% CI] | valid actions |",
+             "| --- | ---: | ---: | --- | ---: | --- | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['iteration']} | {r['step_tokens'] if r['step_tokens'] is not None else '-'} | {r['split']} | "
+                     f"{r['won']}/{r['games']} | {100 * r['success']:.1f}% [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] | "
+                     f"{100 * r['valid_action_rate']:.0f}% |")
+    lines += ["", "Paired on the same games (exact McNemar on the discordant games):", "",
+              "| comparison | split | games | A | B | B - A (points) | won only by A / B | p |", "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+
+    def compare(label, a: Path, b: Path, split: str):
+        if (a / split / "episodes.jsonl").is_file() and (b / split / "episodes.jsonl").is_file():
+            p = paired(outcomes(a / split), outcomes(b / split))
+            lines.append(f"| {label} | {split} | {p['games']} | {100 * p['success_a']:.1f}% | {100 * p['success_b']:.1f}% | "
+                         f"{p['difference_points']:+.1f} | {len(p['won_only_by_a'])} / {len(p['won_only_by_b'])} | {p['mcnemar_p']:.3g} |")
+
+    last = {arm: max((it for a, it, d in points if a == arm and (d / SPLITS[0] / "summary.json").is_file()), default=None)
+            for arm in arms}
+    for arm in arms:
+        if last[arm]:
+            for split in SPLITS:
+                compare(f"warm start -> {arm} it {last[arm]}", w / "eval" / "warmstart-it0", w / "eval" / f"{arm}-it{last[arm]}", split)
+    if len(arms) == 2 and all(last.values()):
+        a, b = arms
+        for split in SPLITS:
+            compare(f"{a} it {last[a]} -> {b} it {last[b]}", w / "eval" / f"{a}-it{last[a]}", w / "eval" / f"{b}-it{last[b]}", split)
+    (w / "curve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(w, rows)
+
+
+def point(d: Path, tokens, wilson) -> dict:
+    o = summary(d)
+    lo, hi = wilson(o["won"], o["episodes"]) or (0.0, 0.0)
+    return {"step_tokens": tokens, "games": o["episodes"], "won": o["won"], "success": o["success_rate"],
+            "ci_low": lo, "ci_high": hi, "valid_action_rate": o.get("valid_action_rate") or 0.0}
+
+
+def plot(w: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, xkey, xlabel in ((axes[0], "iteration", "GRPO iteration"), (axes[1], "step_tokens", "rollout step-tokens")):
+        for (arm, split), style in zip(sorted({(r["arm"], r["split"]) for r in rows}), ("o-", "s--", "o-", "s--")):
+            pts = sorted((r for r in rows if r["arm"] == arm and r["split"] == split and r[xkey] is not None), key=lambda r: r[xkey])
+            if not pts:
                 continue
-            a = ["train", "--out", str(out), "--force", "--init-adapter", str(ws), "--iterations", str(args.iterations),
-                 "--tasks", str(args.tasks), "-G", str(args.group_size), "--max-steps", str(args.max_steps),
-                 "--eval-every", str(args.iterations), "--eval-tasks", str(args.eval_tasks), "--gate", *gate,
-                 *common, *workers]
-            procs.append((out, run(a, out / "done", log, parallel=True)))
-            if not args.parallel_arms:
-                wait_all([procs[-1][1]], log)
-        wait_all([p for _, p in procs], log)
-        for out, _ in procs:
-            (out / "done").write_text("")
-        run(["report", str(w / "gated"), str(w / "ungated"), "--out", str(w / "report")], w / "report" / "report.md", log)
-    timed("grpo", arms)
-
-    def arm_evals():  # each arm's last adapter, greedy, on the games the warm start was evaluated on
-        for name in ("gated", "ungated"):
-            last = sorted((w / name / "checkpoints").glob("it*"))[-1] / "adapter"
-            out = w / f"eval-{name}-valid_seen"
-            run(["eval", "--split", "valid_seen", "--max-steps", str(args.max_steps), "--out", str(out),
-                 "--limit", str(args.arm_eval_limit or args.eval_limit or 100_000), "--adapter", str(last), *common, *workers],
-                out / "summary.json", log)
-    timed("arm_evals", arm_evals)
-
-    t1 = w / "tier1"
-    timed("tier1", lambda: run(["rollout", "--tier1-ab", "--adapter", str(ws), "--tasks", str(args.tier1_tasks),
-                                "-G", str(args.group_size), "--max-steps", str(args.max_steps), "--gate", args.gate, "--out", str(t1),
-                                *common, *workers], t1 / "tier1.md", log))
-    timed("analyze", lambda: run(["analyze", str(t1 / "baseline" / "groups.csv"), "--out", str(w / "analysis")],
-                                 w / "analysis", log))
-
-    lines = [f"# bench_learning ({time.strftime('%Y-%m-%d')}, {machine()})", "",
-             f"warm start: {args.games} train walkthroughs, {args.epochs} epochs: "
-             + json.dumps(json.loads((ws / 'agentrl.json').read_text()).get("heldout_nll")), "",
-             f"| greedy, T_max {args.max_steps} | valid_seen | valid_unseen |", "|---|---|---|"]
-    for name in ("base", "warmstart", "gated", "ungated"):
-        seen, unseen = (w / f"eval-{name}-{split}" / "summary.json" for split in ("valid_seen", "valid_unseen"))
-        label = name if name in ("base", "warmstart") else f"GRPO {name}, {args.iterations} iterations"
-        lines.append(f"| {label} | {success(seen)} | {success(unseen) if unseen.exists() else '-'} |")
-    if args.arm_eval_limit:  # the warm start on exactly the arms' games: the first N of its eval
-        rows = [json.loads(x) for x in (w / "eval-warmstart-valid_seen" / "episodes.jsonl").read_text().splitlines()][: args.arm_eval_limit]
-        lines.append(f"| warmstart on the arms' {len(rows)} valid_seen games | {sum(r['won'] for r in rows)}/{len(rows)} | - |")
-    lines += ["", f"minutes per step: {json.dumps(timings)}", "", "## GRPO from the warm start: gated vs ungated", "",
-              (w / "report" / "report.md").read_text(), "", "## Tier 1 A/B with the warm start", "", (t1 / "tier1.md").read_text()]
-    text = "\n".join(lines)
-    (w / "summary.md").write_text(text + "\n")
-    print(text)
-    print(f"\nall done in {(time.perf_counter() - t0) / 60:.1f} min; {w / 'summary.md'}")
+            x = [r[xkey] for r in pts]
+            y = [100 * r["success"] for r in pts]
+            err = [[100 * (r["success"] - r["ci_low"]) for r in pts], [100 * (r["ci_high"] - r["success"]) for r in pts]]
+            ax.errorbar(x, y, yerr=err, fmt=style, capsize=3, label=f"{arm} · {split}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy success (%) [95% Wilson]")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(w / "curve.png", dpi=120)
 
 
 if __name__ == "__main__":

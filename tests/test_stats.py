@@ -85,3 +85,26 @@ def test_the_run_summary_says_whether_success_moved_beyond_noise():
     assert line.endswith("a gain beyond noise")
     assert learning_verdict([first, same]).endswith("not beyond noise")  # +2 -1: p = 1
     assert learning_verdict([first]) is None
+
+
+def test_eval_with_samples_runs_n_episodes_per_game_and_bootstraps_over_games(tmp_path, tiny_actor_dir):
+    """`agentrl eval --samples 3` on the synthetic task with a real (tiny) model: 3 episodes per
+    game, sampled (not greedy), the interval a bootstrap over games; the compare command reads
+    the shares won per game."""
+    from agentrl.config import load_config
+    from agentrl.evaluate import run_eval
+
+    cfg = load_config(None, {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 1,
+                             "rollout.gate": "off", "eval.limit": 4, "eval.samples": 3, "sampling.temperature": 1.0, "sampling.max_new_tokens": 16})
+    result = run_eval(cfg, tmp_path / "e")
+    s = result.summary
+    assert s["samples"] == 3 and s["temperature"] == 1.0
+    assert s["overall"]["episodes"] == 12 and s["overall"]["games"] == 4
+    assert sorted({t.index for t in result.trajectories}) == [0, 1, 2]
+    lo, hi = s["overall"]["ci95"]
+    assert 0.0 <= lo <= s["overall"]["success_rate"] <= hi <= 1.0
+    from agentrl.compare import game_outcomes
+
+    shares, _ = game_outcomes(tmp_path / "e")
+    assert len(shares) == 4 and all(v in (0.0, 1 / 3, 2 / 3, 1.0) for v in shares.values())
+    assert sum(shares.values()) * 3 == pytest.approx(s["overall"]["won"])

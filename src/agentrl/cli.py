@@ -111,6 +111,7 @@ def eval_cmd(
     adapter: AdapterOpt = None,
     max_steps: Annotated[Optional[int], typer.Option(help="T_max per episode (default 30).")] = None,
     policy: Annotated[str, typer.Option(help="model | walkthrough (replays each game's expert walkthrough).")] = "model",
+    samples: Annotated[Optional[int], typer.Option(help="N episodes per game sampled at the training temperature instead of one greedy episode.")] = None,
     max_new_tokens: MaxNewTokensOpt = None,
     sampler: SamplerOpt = None,
     seed: Annotated[Optional[int], typer.Option(help="Run seed.")] = None,
@@ -130,7 +131,7 @@ def eval_cmd(
         "seed": seed, "data.root": data, "model.name": model, "model.adapter": adapter,
         "model.trust_remote_code": trust_remote_code or None, "sampling.backend": sampler,
         "sampling.max_new_tokens": max_new_tokens, "eval.split": split, "eval.limit": limit,
-        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "env.workers": env_workers, "cluster.ray_address": ray_address,
+        "eval.task_types": task_type, "eval.policy": policy, "eval.max_steps": max_steps, "eval.samples": samples, "env.workers": env_workers, "cluster.ray_address": ray_address,
         "sampling.replicas": sampler_replicas, "sampling.kv_budget_gb": kv_budget_gb,
     })
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -157,6 +158,8 @@ def eval_cmd(
 
 def print_summary(s: dict) -> None:
     title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
+    if s.get("samples"):
+        title += f" · {s['samples']} episodes per game at temperature {s['temperature']} (interval: bootstrap over games)"
     table = Table(title=title)
     for col in ("task type", "episodes", "won", "success", "95% CI", "valid actions", "mean steps", "invalid/ep"):
         table.add_column(col, justify="left" if col == "task type" else "right")

@@ -97,6 +97,7 @@ class EvalConfig:
     task_types: list[str] = field(default_factory=list)
     policy: str = "model"  # model | walkthrough
     max_steps: int | None = None  # None: env.max_steps
+    samples: int = 0  # 0: one greedy episode per game; N: N episodes per game sampled at sampling.temperature
 
 
 @dataclass
@@ -320,6 +321,8 @@ class Config:
             (self.eval.split in SPLITS, f"unknown split {self.eval.split!r}; choose one of {', '.join(SPLITS)}"),
             (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
             (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
+            (self.eval.samples >= 0, f"eval.samples must be >= 0 (0: greedy), got {self.eval.samples}"),
+            (self.eval.samples == 0 or self.eval.policy == "model", "eval.samples samples the model: use --policy model"),
             (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
             (self.env.workers == "auto" or (isinstance(self.env.workers, int) and self.env.workers >= 0),
              f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {self.env.workers!r}"),

@@ -27,8 +27,11 @@ def build_policy(cfg: Config, sampler=None):
     if cfg.eval.policy == "walkthrough":
         return WalkthroughPolicy()
     sampler = sampler or make_sampler(cfg)
-    greedy = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
+    if cfg.eval.samples:  # N episodes per game at the training temperature (the field's habit besides greedy)
+        params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
+    else:
+        params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    return ModelPolicy(sampler, params, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
                        admissible=bool(cfg.prompt.admissible))
 
 
@@ -41,9 +44,12 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
         n, won = len(ts), sum(t.won for t in ts)
         return {
             "episodes": n,
+            "games": len({t.game.game_id for t in ts}),
             "won": won,
             "success_rate": won / n if n else 0.0,
-            "ci95": list(wilson(won, n) or (0.0, 0.0)),  # 95% Wilson interval of the success rate
+            # 95% interval of the success rate: Wilson for one episode per game; with N sampled
+            # episodes per game they are not independent, so a percentile bootstrap over games
+            "ci95": list(wilson(won, n) or (0.0, 0.0)) if not cfg.eval.samples else game_bootstrap(ts, cfg.seed),
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": sum(t.stop_reason == "env_error" for t in ts),
@@ -57,6 +63,8 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
         "model": cfg.model.name if cfg.eval.policy == "model" else None,
         "adapter": cfg.model.adapter if cfg.eval.policy == "model" else None,
         "max_steps": cfg.eval.max_steps or cfg.env.max_steps,
+        "samples": cfg.eval.samples,  # 0: greedy
+        "temperature": cfg.sampling.temperature if cfg.eval.samples else 0.0,
         "seed": cfg.seed,
         "overall": block(trajs),
         "by_task_type": {k: block(v) for k, v in sorted(by_type.items())},
@@ -72,6 +80,21 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
         },
         "errors": [{"task_id": t.game.game_id, "error": t.error} for t in trajs if t.error],
     }
+
+
+def game_bootstrap(ts: list[Trajectory], seed: int, draws: int = 2000) -> list[float]:
+    """95% percentile bootstrap of the mean success, resampling games (each with all its episodes)."""
+    import numpy as np
+
+    by_game: dict[str, list[float]] = defaultdict(list)
+    for t in ts:
+        by_game[t.game.game_id].append(float(t.won))
+    if not by_game:
+        return [0.0, 0.0]
+    means = np.array([np.mean(v) for v in by_game.values()])
+    rng = np.random.default_rng(seed)
+    boot = means[rng.integers(0, len(means), size=(draws, len(means)))].mean(axis=1)
+    return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
 
 
 def prepare_eval(cfg: Config, sampler=None):
@@ -104,9 +127,11 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
     max_steps = cfg.eval.max_steps or cfg.env.max_steps
     envs = open_envs(cfg)  # env worker processes (env.workers), or None
     try:
-        rollout = run_in_slices(games, slice_size(cfg, policy, len(games), max_steps), policy=policy, max_steps=max_steps,
+        per_game = max(1, cfg.eval.samples)
+        size = slice_size(cfg, policy, len(games) * per_game, max_steps)
+        rollout = run_in_slices(games, size and max(1, size // per_game), policy=policy, max_steps=max_steps,
                                 fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
-                                make_env=env_factory(cfg.env.kind), envs=envs)
+                                make_env=env_factory(cfg.env.kind), envs=envs, group_size=per_game)
     finally:
         if envs is not None:
             envs.shutdown()
