@@ -110,3 +110,34 @@ def test_cli_analyze_prints_the_operating_point(tmp_path):
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
     assert proc.returncode == 0, proc.stderr
     assert "operating point (precision >= 0.8): K=10, d_L=0.06" in proc.stdout
+
+
+def test_signal_table_ranks_each_signal_against_each_outcome_kind(tmp_path):
+    """Constructed: d_K separates informative groups from all-fail ones but not from the
+    all-success one (it converged less than one informative group); termination_fraction marks
+    the all-success group (finished early); the OR-rule of the two cuts both zero-variance kinds."""
+    groups = [("f1", 0.0, 0.0, "0;0"), ("f2", 0.05, 0.0, "0;0"), ("s1", 0.4, 1.0, "1;1"),
+              ("i1", 0.3, 0.0, "1;0"), ("i2", 0.5, 0.5, "0;1")]
+    path = tmp_path / "g.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
+        w.writeheader()
+        for tid, d, tau, rewards in groups:
+            w.writerow({s: 0.5 for s in SIGNALS} | {"prefix_edit_distance_mean": d, "termination_fraction": tau,
+                       "task_id": tid, "task_type": "look_at_obj_in_light", "K": 5, "rewards": rewards, "cut": 0,
+                       "steps_generated": 10})
+    a = analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8)
+    row = {r["signal"]: r for r in a.signals}
+    d = row["prefix_edit_distance_mean"]
+    assert (d["informative"], d["all_fail"], d["all_success"]) == (2, 2, 1)
+    assert d["auroc_vs_all_fail"] == 1.0 and d["auroc_vs_all_success"] == 0.5  # 0.3 < 0.4 < 0.5: one of two pairs
+    assert d["auroc"] == pytest.approx(5 / 6)  # 2 x 3 pairs, 5 ordered right
+    assert d["auroc_ci95_low"] <= d["auroc"] <= d["auroc_ci95_high"]
+    assert (d["best_cut"], d["best_precision"]) == (2, 1.0)  # d_K < 0.3 cuts f1, f2
+    assert d["best_safe_pct"] == pytest.approx(100 * 2 * 25 / (5 * 30))
+    tau = row["termination_fraction"]  # oriented 1 - tau: s1 (tau 1) is the most converged
+    assert tau["auroc_vs_all_success"] == 1.0 and tau["auroc_vs_all_fail"] == pytest.approx(0.25)
+    assert row["or_rule"]["best_cut"] == 3 and row["or_rule"]["best_precision"] == 1.0
+    d_l, tau_h = (float(x.split("<" if "<" in x else ">=")[1]) for x in row["or_rule"]["best_threshold"].split(" or "))
+    assert 0.05 < d_l <= 0.3 and 0.5 < tau_h <= 1.0  # a rule that cuts f1, f2 (d_K) and s1 (tau), never i2
+    assert (tmp_path / "out" / "signals.csv").stat().st_size > 0

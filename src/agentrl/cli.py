@@ -666,6 +666,7 @@ def analyze_cmd(
         table.add_row(str(K), str(d["N"]), str(informative), f"{d['auroc']:.3f}", f"{d['spearman_rho']:.3f}",
                       f"{best['metric']} ({best['auroc']:.3f})" if best else "")
     console.print(table)
+    print_signal_table(a.signals, precision_floor)
     if a.operating:
         o = a.operating
         console.print(f"operating point (precision >= {precision_floor:g}): K={o['K']}, d_L={o['d_L']:g}: cut {o['cut']}/{o['N']}, "
@@ -674,8 +675,30 @@ def analyze_cmd(
                       + (f" (GiGPO's: {o['gigpo_l2_kept']:.3f})" if o["gigpo_l2_kept"] == o["gigpo_l2_kept"] else ""))
     else:
         console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
-    console.print(f"wrote correlation.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "
+    console.print(f"wrote correlation.csv, signals.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "
                   f"operating_point.json and {len(a.figures)} figures to {out}")
+
+
+def print_signal_table(rows: list[dict], precision_floor: float) -> None:
+    """Per K and signal: AUROC [95% bootstrap] (informative vs zero-variance; > 0.5 predicts), the same
+    against all-fail and all-success groups only, and the best cut at the precision floor."""
+    from agentrl.specs import _SHORT
+
+    short = {v: k for k, v in _SHORT.items()} | {"or_rule": "d_k OR tau"}
+
+    def f(v, fmt=".2f"):
+        return "-" if v != v else format(v, fmt)
+
+    table = Table(title=f"which signal predicts a zero-variance group (AUROC > 0.5 predicts; best cut at precision >= {precision_floor:g})")
+    for col in ("K", "signal", "AUROC [95% CI]", "vs all-fail", "vs all-success", "best cut", "precision", "safe saving"):
+        table.add_column(col, justify="left" if col in ("signal", "best cut") else "right")
+    for r in rows:
+        table.add_row(str(r["K"]), short.get(r["signal"], r["signal"]),
+                      f"{f(r['auroc'])} [{f(r['auroc_ci95_low'])}, {f(r['auroc_ci95_high'])}]" if r["auroc"] == r["auroc"] else "-",
+                      f(r["auroc_vs_all_fail"]), f(r["auroc_vs_all_success"]),
+                      f"{r['best_cut']} at {r['best_threshold']}" if r["best_cut"] else "none", f(r["best_precision"]),
+                      f"{r['best_safe_pct']:.1f}%")
+    console.print(table)
 
 
 # ---------------------------------------------------------------- report

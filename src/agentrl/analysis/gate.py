@@ -151,6 +151,66 @@ def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict
     }
 
 
+TAU_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)  # the OR-rule's termination-fraction thresholds (G = 8: 4..8 finished)
+
+
+def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamples: int = 1000) -> list[dict]:
+    """Which signal predicts a zero-variance group, at each K: per signal (oriented by
+    `convergence_score`: lower = more converged, so AUROC > 0.5 = the signal ranks informative
+    groups above zero-variance ones) its AUROC with a 95% percentile bootstrap over groups, the
+    same against all-fail groups only and against all-success groups only, and the best cut
+    "score < t" at or above the precision floor (its threshold, size, precision, recall, safe
+    saving). The OR-rule (d_K < t or termination_fraction >= tau) gets its best cut only."""
+    from agentrl.specs import convergence_score
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for K in sorted(set(t.K.tolist())):
+        sub = t.at(K)
+        pos = sub.informative
+        first = np.array([r[0] for r in sub.rewards])
+        all_fail, all_success = ~pos & (first == 0), ~pos & (first > 0)
+        n = len(pos)
+        draws = rng.integers(0, n, size=(resamples, n)) if n else np.zeros((0, 0), dtype=int)
+        for name in SIGNALS:
+            score = np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])
+            boot = [auroc(score[i], pos[i]) for i in draws]
+            boot = [b for b in boot if b == b]
+            best = best_cut(sub, score, t_max, K, precision_floor)
+            rows.append({"K": K, "signal": name, "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
+                         "all_success": int(all_success.sum()), "auroc": auroc(score, pos),
+                         "auroc_ci95_low": float(np.quantile(boot, 0.025)) if boot else float("nan"),
+                         "auroc_ci95_high": float(np.quantile(boot, 0.975)) if boot else float("nan"),
+                         "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
+                         "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best})
+        d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
+        cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]
+        best = max((dict(cut_row(sub, c, K, 0.0, t_max), rule=label) for c, label in cuts if c.any()),
+                   key=lambda r: (r["precision"] >= precision_floor, r["safe_pct"] if r["precision"] >= precision_floor else -1),
+                   default=None)
+        ok = best is not None and best["precision"] >= precision_floor
+        rows.append({"K": K, "signal": "or_rule", "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
+                     "all_success": int(all_success.sum()), "auroc": float("nan"), "auroc_ci95_low": float("nan"),
+                     "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"), "auroc_vs_all_success": float("nan"),
+                     "best_threshold": best["rule"] if ok else "", "best_cut": best["cut"] if ok else 0,
+                     "best_precision": best["precision"] if ok else float("nan"), "best_recall": best["recall"] if ok else float("nan"),
+                     "best_safe_pct": best["safe_pct"] if ok else 0.0})
+    return rows
+
+
+def best_cut(sub: Table, score: np.ndarray, t_max: int, K: int, precision_floor: float) -> dict:
+    """The cut `score < t` (t between distinct scores) with the largest safe saving at precision >= floor."""
+    best = None
+    for th in np.unique(score)[1:].tolist() + [float(score.max()) + 1e-9] if len(score) else []:
+        r = cut_row(sub, score < th, K, th, t_max)
+        if r["cut"] and r["precision"] >= precision_floor and (best is None or r["safe_pct"] > best["safe_pct"]):
+            best = r
+    if best is None:
+        return {"best_threshold": "", "best_cut": 0, "best_precision": float("nan"), "best_recall": float("nan"), "best_safe_pct": 0.0}
+    return {"best_threshold": round(best["d_L"], 6), "best_cut": best["cut"], "best_precision": best["precision"],
+            "best_recall": best["recall"], "best_safe_pct": best["safe_pct"]}
+
+
 def gate_sweep(t: Table, t_max: int, grid=D_L_GRID) -> list[dict]:
     rows = []
     for K in sorted(set(t.K.tolist())):
@@ -293,6 +353,7 @@ class Analysis:
     by_type: list[dict]
     bootstrap: list[dict]
     figures: list[Path]
+    signals: list[dict]
 
 
 def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,
@@ -308,7 +369,9 @@ def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float
     cal = calibration(t, t_max, chosen, seed)
     types = by_task_type(t)
     boot = bootstrap(t, t_max, chosen, seed)
+    per_signal = signal_table(t, t_max, precision_floor, seed)
     out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "signals.csv", per_signal)
     write_csv(out / "correlation.csv", corr)
     write_csv(out / "gate_sweep.csv", sweep)
     write_csv(out / "calibration.csv", cal)
@@ -317,5 +380,5 @@ def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float
     atomic_write_json(out / "operating_point.json", {"precision_floor": precision_floor, "t_max": t_max, "point": op,
                                                      "d_L_used_for_calibration": chosen})
     figs = figures(t, corr, out, op["K"] if op else figure_K, chosen)
-    return Analysis(corr, sweep, op, cal, types, boot, figs)
+    return Analysis(corr, sweep, op, cal, types, boot, figs, per_signal)
 
