@@ -125,7 +125,7 @@ class Learner:
         work = [(t, a) for t, a in batch if not is_zero(a)]
         tokens_trained = sum(trained_tokens(t, a) for t, a in work)
         if not work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
-            return UpdateStats(0.0, 0.0, n_total, 0, None, skipped=False, stepped=False)
+            return UpdateStats(0.0, 0.0, n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
         steps = self._plan(len(work))
         multi = len(steps) > 1
         # the policy before the update (and the reference's), per trajectory of `work`: needed once a step has moved it
@@ -176,7 +176,7 @@ class Learner:
                 skipped_steps += 1
                 if k == 0:  # the batch itself is bad: stop here, as a single step would
                     self.model.eval()
-                    first.skipped, first.stepped = True, False
+                    first.skipped, first.stepped, first.optimizer_steps = True, False, 0
                     return first
                 continue
             self.optimizer.step()
