@@ -146,7 +146,7 @@ def test_sft_lowers_heldout_nll_and_writes_a_standard_peft_adapter(warm_start, t
     before, after = rows[1]["heldout_nll"], rows[-1]["heldout_nll"]
     assert after < before - 0.1, (before, after)  # measured: 7.56 -> 7.23
     assert summary["heldout_nll"] == {"before": before, "after": after}
-    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action"}
+    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action", "admissible": False}
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_actor_dir), out)  # loads unchanged
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # trained, not the zero init
@@ -259,7 +259,7 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     # every adapter the run wrote carries the warm start's prompt, so evaluating one uses it (a bug once:
     # adapters/vN had no agentrl.json and were evaluated with the ReAct prompt and its example)
     for adapter in (straight / "adapters" / "v2", straight / "checkpoints" / "it00002" / "adapter",
-                    resumed / "adapters" / "v2", resumed / "checkpoints" / "it00001" / "adapter"):
+                    resumed / "adapters" / "v2", resumed / "checkpoints" / "it00002" / "adapter"):
         record = json.loads((adapter / "agentrl.json").read_text())
         assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False}, adapter
         evaluated = load_config(None, {"model.adapter": str(adapter)})

@@ -377,15 +377,15 @@ def train_cmd(
     from agentrl.train.loop import TaskSampler
 
     resolve_model(cfg.model.name)  # bad input is refused before the run directory is written
+    if cfg.train.init_adapter:  # the user's files first, then whether this machine's memory holds the run
+        from agentrl.models import check_lora_adapter
+
+        check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
     from agentrl.sampling.kv import check_kv_fits
 
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
     check_kv_fits(cfg, min(1, cfg.train.eval_tasks), cfg.train.eval_max_steps or t_max, "train's held-out eval")  # run in slices
-    if cfg.train.init_adapter:
-        from agentrl.models import check_lora_adapter
-
-        check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
     tasks = TaskSampler(cfg)
     if cfg.cluster.ray_address:  # no cluster there, or too few GPUs for the replicas: refused before the run is written
         from agentrl import cluster
