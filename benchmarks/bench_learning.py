@@ -33,6 +33,7 @@ import csv
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -141,8 +142,6 @@ def main() -> None:
             # the checkpoint's adapter carries the warm start's prompt (agentrl.json); copy it before the next segment prunes it
             keep = w / "adapters" / f"{arm}-it{target}"
             if not keep.exists():
-                import shutil
-
                 shutil.copytree(out / "checkpoints" / f"it{target:05d}" / "adapter", keep)
             evaluate(f"{arm}-it{target}", keep)
     write_curve(w, chosen, iterations, every, args.config)

@@ -142,6 +142,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             share = len(idx) / len(work)  # a minibatch is normalised as its share of the batch
             loss_sum, gap_sum, clip_n, kl_sum = 0.0, 0.0, 0.0, 0.0
+            kl_tokens = max(1, sum(trained_tokens(*work[i]) for i in idx)) if ref is not None else 1
             for start in range(0, len(idx), cfg.micro_batch):
                 part_idx = idx[start : start + cfg.micro_batch]
                 part = [work[i] for i in part_idx]
@@ -156,13 +157,13 @@ class Learner:
                                            cfg.loss_agg, n_total=n_total * share, tokens_total=tokens_total * share)
                 if ref is not None:
                     kl_part = kl_to_reference(logp, self._stack(ref, part_idx, ids.shape[1]), mask)
-                    loss = loss + cfg.kl_coef * kl_part / max(1, sum(trained_tokens(t, a) for t, a in (work[i] for i in idx)))
+                    loss = loss + cfg.kl_coef * kl_part / kl_tokens
                     kl_sum += float(kl_part.detach())
                 loss.backward()
                 faults.point("update")
                 loss_sum += float(loss.detach())
                 clip_n += float(c) * float(mask.sum())
-                if k == 0:
+                if k == 0 and old is None:  # single step: the gap from this forward (else from the pre-pass)
                     gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
             step_tokens = sum(sum(work[i][0].action_mask) for i in idx)
             clipped.append(clip_n / max(1, step_tokens))
