@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--arms", default="gated,ungated", help="gated (the config's gate, --gate-audit 0.25) and/or ungated")
     ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
+    ap.add_argument("--midpoint-splits", default=",".join(SPLITS),
+                    help="splits evaluated at the curve's inner points (the warm start and each arm's last point: both)")
     args = ap.parse_args()
 
     cfg = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -120,8 +122,8 @@ def main() -> None:
     run(["sft", "--out", str(ws), "--reuse", "--force", "--config", args.config, "--env-workers", args.env_workers],
         ws / "agentrl.json", log)
 
-    def evaluate(name: str, adapter: Path) -> None:
-        for split in SPLITS:
+    def evaluate(name: str, adapter: Path, splits=SPLITS) -> None:
+        for split in splits:
             out = w / "eval" / name / split
             run(["eval", "--split", split, "--max-steps", str(t_max), "--limit", str(args.eval_limit or 100_000),
                  "--adapter", str(adapter), "--out", str(out), *common], out / "summary.json", log)
@@ -143,7 +145,8 @@ def main() -> None:
             keep = w / "adapters" / f"{arm}-it{target}"
             if not keep.exists():
                 shutil.copytree(out / "checkpoints" / f"it{target:05d}" / "adapter", keep)
-            evaluate(f"{arm}-it{target}", keep)
+            inner = [x.strip() for x in args.midpoint_splits.split(",") if x.strip()]
+            evaluate(f"{arm}-it{target}", keep, SPLITS if target + every > iterations else inner)
     write_curve(w, chosen, iterations, every, args.config)
     print(f"\nall done in {(time.perf_counter() - t0) / 60:.1f} min; {w / 'curve.md'}")
 

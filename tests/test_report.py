@@ -161,3 +161,27 @@ def test_cli(runs, tmp_path):
     assert (out / "report.json").is_file() and len(list(out.glob("*.png"))) == 5
     result = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert isinstance(result.exception, UserError)
+
+
+def test_heldout_success_reads_with_its_interval_and_the_paired_verdict(tmp_path):
+    """The report's held-out cells carry the 95% Wilson interval and the game count; with per-game
+    outcomes the first and last evals are paired (exact McNemar) into one verdict line."""
+    games = [f"g{i}" for i in range(12)]
+    first = {**evaluation(0, 2 / 12), "tasks": 12, "won": 2, "outcomes": {g: float(i < 2) for i, g in enumerate(games)}}
+    last = {**evaluation(2, 10 / 12), "tasks": 12, "won": 10, "outcomes": {g: float(i < 10) for i, g in enumerate(games)}}
+    run = write_run(tmp_path / "run", 1, "off", [first, iteration(1, 10.0, 1.0, 0, 0, 0.5),
+                                                 iteration(2, 20.0, 1.0, 0, 0, 0.5), last])
+    rep = build_report([run], tmp_path / "report")
+    (r,) = rep["runs"]
+    assert r["initial_heldout"] == "16.7% [4.7, 44.8] of 12" and r["final_heldout"] == "83.3% [55.2, 95.3] of 12"
+    # 8 games won only at iteration 2, none only at 0: p = 2 / 2^8
+    assert r["heldout_verdict"].endswith("+66.7 points; 8 games newly won, 0 lost; exact McNemar p = 0.0078): a gain beyond noise")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "83.3% [55.2, 95.3] of 12 @2" in md and "- run: held-out success, iteration 0 -> 2" in md
+
+
+def test_heldout_cells_of_older_runs_without_counts(report):
+    rep, _ = report
+    b, g = rep["runs"]
+    assert g["final_heldout"] == "62.5% [30.6, 86.3] of 8"  # eval rows before `won`: the count from tasks x success
+    assert b["heldout_verdict"] is None  # no per-game outcomes: nothing to pair

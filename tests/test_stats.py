@@ -71,7 +71,7 @@ def test_compare_command_prints_and_writes_the_paired_result(tmp_path):
 
 
 def test_the_run_summary_says_whether_success_moved_beyond_noise():
-    from agentrl.cli import eval_text, learning_verdict
+    from agentrl.stats import eval_text, learning_verdict
 
     games = [f"g{i}" for i in range(10)]
     first = {"kind": "eval", "iteration": 0, "tasks": 10, "won": 1, "success": 0.1,

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from agentrl.config import SPLITS, TASK_TYPES, load_config
 from agentrl.errors import UserError
-from agentrl.stats import wilson
+from agentrl.stats import eval_text, learning_verdict, wilson
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO for LLM agents on ALFWorld, with selective rollouts.")
 model_app = typer.Typer(no_args_is_help=True, help="The default model (SmolLM2-135M-Instruct, from a PyPI wheel).")
@@ -494,32 +494,6 @@ def print_curve(metrics_file: Path) -> None:
         console.print(f"[bold]{line}[/]")
 
 
-def eval_text(r: dict) -> str:
-    """'16.7% [3.0, 56.4] of 6' for an eval row (older rows without the count: the rate alone)."""
-    n = r.get("tasks", 0)
-    k = r.get("won", round(r["success"] * n))
-    ci = wilson(k, n) if n else None
-    return f"{100 * r['success']:.1f}%" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}] of {n}" if ci else "")
-
-
-def learning_verdict(evals: list[dict]) -> str | None:
-    """One line: did held-out success move beyond noise between the first and the last eval?
-    Paired on the games both evaluated (exact McNemar); None with fewer than two evals."""
-    from agentrl.stats import paired
-
-    evals = sorted(evals, key=lambda r: r["iteration"])
-    if len(evals) < 2 or "outcomes" not in evals[0] or "outcomes" not in evals[-1]:
-        return None
-    first, last = evals[0], evals[-1]
-    r = paired(first["outcomes"], last["outcomes"])
-    head = (f"held-out success, iteration {first['iteration']} -> {last['iteration']}: {100 * r['success_a']:.1f}% -> "
-            f"{100 * r['success_b']:.1f}% on the same {r['games']} games ({r['difference_points']:+.1f} points; "
-            f"{len(r['won_only_by_b'])} games newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
-    if r["mcnemar_p"] < 0.05:
-        return head + ("a gain beyond noise" if r["difference_points"] > 0 else "a loss beyond noise")
-    return head + "not beyond noise"
-
-
 def describe_advantage(cfg) -> str:
     a = cfg.train.advantage
     if a == "gigpo":
@@ -721,6 +695,9 @@ def report_cmd(
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    for r in rep["runs"]:
+        if r.get("heldout_verdict"):
+            console.print(f"[bold]{r['name']}[/]: {r['heldout_verdict']}")
     if len(runs) > 1 and not rep["pairs"]:
         console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
     console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")

@@ -23,6 +23,7 @@ import yaml
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.stats import eval_text, learning_verdict
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +167,14 @@ def run_summary(run: Run) -> dict:
         "iterations": last["iteration"],
         "heldout_split": run.heldout_split,
         "initial_heldout_success": run.evals[0].get("success") if run.evals and run.evals[0]["iteration"] == 0 else None,
+        "initial_heldout": eval_text(run.evals[0]) if run.evals and is_number(run.evals[0].get("success")) else None,
         "final_heldout_success": final.get("success") if final else None,
+        "final_heldout": eval_text(final) if final and is_number(final.get("success")) else None,
         "final_heldout_iteration": final["iteration"] if final else None,
         "best_heldout_success": best.get("success") if best else None,
         "best_heldout_iteration": best["iteration"] if best else None,
+        # first vs last eval on the same games (exact McNemar): did the run move beyond noise?
+        "heldout_verdict": learning_verdict([r for r in scored]) if len(scored) >= 2 else None,
         "wall_clock_s": last.get("elapsed_s"),
         "mean_s_per_iteration": {p: mean(r.get(f"{p}_s") for r in run.iterations) for p in PHASES},
         "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),
@@ -357,7 +362,8 @@ def fmt_duration(s) -> str:
 
 def success_at(r: dict, which: str) -> str:
     v, it = r[f"{which}_heldout_success"], r[f"{which}_heldout_iteration"]
-    return "–" if v is None else f"{100 * v:.1f}% @{it}"
+    text = r.get(f"{which}_heldout") or (None if v is None else f"{100 * v:.1f}%")  # with its 95% interval
+    return "–" if v is None else f"{text} @{it}"
 
 
 RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",
@@ -402,6 +408,9 @@ def report_markdown(rep: dict) -> str:
         parts += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         parts += ["| " + " | ".join(row) + " |" for row in rows]
         parts.append("")
+    verdicts = [(r["name"], r.get("heldout_verdict")) for r in rep["runs"] if r.get("heldout_verdict")]
+    if verdicts:
+        parts += ["## held-out success, first vs last eval (paired)", "", *(f"- {n}: {v}" for n, v in verdicts), ""]
     warnings = [w for r in rep["runs"] for w in r["warnings"]]
     if warnings:
         parts += ["## warnings", "", *(f"- {w}" for w in warnings), ""]

@@ -60,4 +60,29 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     }
 
 
-__all__ = ["mcnemar_exact", "paired", "rate_text", "wilson"]
+# ---------------------------------------------------------------- in-training eval rows (metrics.jsonl)
+def eval_text(r: dict) -> str:
+    """'16.7% [3.0, 56.4] of 6' for an eval row (older rows without the count: the rate alone)."""
+    n = r.get("tasks", 0)
+    k = r.get("won", round(r["success"] * n))
+    ci = wilson(k, n) if n else None
+    return f"{100 * r['success']:.1f}%" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}] of {n}" if ci else "")
+
+
+def learning_verdict(evals: list[dict]) -> str | None:
+    """One line: did held-out success move beyond noise between the first and the last eval?
+    Paired on the games both evaluated (exact McNemar); None with fewer than two evals."""
+    evals = sorted(evals, key=lambda r: r["iteration"])
+    if len(evals) < 2 or "outcomes" not in evals[0] or "outcomes" not in evals[-1]:
+        return None
+    first, last = evals[0], evals[-1]
+    r = paired(first["outcomes"], last["outcomes"])
+    head = (f"held-out success, iteration {first['iteration']} -> {last['iteration']}: {100 * r['success_a']:.1f}% -> "
+            f"{100 * r['success_b']:.1f}% on the same {r['games']} games ({r['difference_points']:+.1f} points; "
+            f"{len(r['won_only_by_b'])} games newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
+    if r["mcnemar_p"] < 0.05:
+        return head + ("a gain beyond noise" if r["difference_points"] > 0 else "a loss beyond noise")
+    return head + "not beyond noise"
+
+
+__all__ = ["eval_text", "learning_verdict", "mcnemar_exact", "paired", "rate_text", "wilson"]
