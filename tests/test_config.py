@@ -108,6 +108,9 @@ def test_tier_configs_hold_the_papers_defaults():
         ({"train.eval_split": "test"}, "unknown split 'test'"),
         ({"env.kind": "minigrid"}, "env.kind must be 'alfworld' or 'synthetic'"),
         ({"learner.lrr": 0.1}, r"unknown config key 'learner.lrr'.*did you mean"),
+        ({"prompt.history": -1}, "prompt.history must be a whole number >= 0"),
+        ({"prompt.history": 1.5}, "prompt.history must be int"),
+        ({"prompt.history": 2, "learner.loss_agg": "seq-mean-token-mean"}, "not with prompt.history"),
     ],
 )
 def test_bad_training_settings(overrides, message):
@@ -152,3 +155,14 @@ def test_log_to_names_known_loggers_only():
     assert parse_log_to("tensorboard, wandb") == ["tensorboard", "wandb"] and parse_log_to(None) == []
     with pytest.raises(UserError, match="train.log_to must list tensorboard and/or wandb, got 'mlflow'"):
         load_config(None, {"train.log_to": "mlflow"})
+
+
+def test_an_adapter_trained_with_a_history_window_is_run_with_it(tmp_path):
+    """prompt.history left unset takes the adapter's (its agentrl.json); a setting given wins."""
+    from agentrl.config import effective_prompt, write_adapter_record
+
+    write_adapter_record(tmp_path, {"example": "none", "reply": "action", "admissible": True, "history": 2})
+    cfg = load_config(None, {"model.adapter": str(tmp_path)})
+    assert effective_prompt(cfg) == {"example": "none", "reply": "action", "admissible": True, "history": 2}
+    assert load_config(None, {"model.adapter": str(tmp_path), "prompt.history": 0}).prompt.history == 0
+    assert effective_prompt(load_config(None, {}))["history"] == 0  # no adapter: the whole episode

@@ -199,3 +199,37 @@ def test_kl_to_the_warm_start_is_zero_at_the_start_and_pulls_back(tiny_model, fo
             assert stats.kl is not None and stats.kl > 0  # steps 2-4 saw a moved policy
         drift[beta] = sum(float((a - b).pow(2).sum()) for a, b in zip(lora_weights(learner), start))
     assert drift[5.0] < drift[0.0]
+
+
+def windowed_trajectory(sampler, tokenizer, history, seed, index, steps=4):
+    """A multi-turn trajectory sampled the way ModelPolicy samples under prompt.history N: each
+    reply from `window(traj, N)` (the opening and the last N turns), the ids kept whole."""
+    from agentrl.rollout.trajectory import window
+
+    t = Trajectory(game=GAME, index=index)
+    t.append(tokenizer("Your task is to: put a mug in the sink.\n>", add_special_tokens=False).input_ids, generated=False)
+    for k in range(steps):
+        c = sampler.generate([window(t, history)], SamplingParams(1.0, 1.0, 5), seeds=[seed * 100 + k])[0]
+        t.append(c.token_ids, generated=True, logprobs=c.logprobs)
+        t.step_tokens.append(len(c.token_ids))
+        t.append(tokenizer(f"\nYou see cabinet {k + 1}.\n>", add_special_tokens=False).input_ids, generated=False)
+    return t
+
+
+def test_windowed_trajectories_train_each_reply_on_the_window_it_was_sampled_from(tiny_model, tokenizer):
+    """prompt.history 1: the learner's log-probs of every reply, taken over its own window, equal the
+    sampler's (gap < 1e-4); read over the whole episode instead (history 0) they do not. All the
+    trajectory's action tokens are trained, with a number (GRPO) or one advantage per reply (GiGPO)."""
+    sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer)
+    trajs = [windowed_trajectory(sampler, tokenizer, 1, seed, i) for i, seed in enumerate((1, 2))]
+    tokens = sum(sum(t.action_mask) for t in trajs)
+    windowed = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
+    stats = windowed.update([(trajs[0], 1.0), (trajs[1], -1.0)])
+    assert stats.logprob_gap is not None and stats.logprob_gap < 1e-4
+    assert stats.step_tokens_trained == tokens and stats.trajectories == 2  # N counts trajectories, not replies
+    whole = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 0})
+    assert whole.update([(trajs[0], 1.0), (trajs[1], -1.0)]).logprob_gap > 1e-3  # not what was sampled
+    per_step = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
+    zero_first = [0.0, 0.5, -0.5, 1.0]
+    stats = per_step.update([(trajs[0], zero_first), (trajs[1], [1.0] * 4)])
+    assert stats.step_tokens_trained == tokens - trajs[0].step_tokens[0] and stats.logprob_gap < 1e-4

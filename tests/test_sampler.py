@@ -85,6 +85,32 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_window_that_drops_turns_reuses_only_the_shared_opening(arch_model, tokenizer, prompts):
+    """prompt.history: turn 3's prompt is the opening then turn 2 only (turn 1 left out), so it is
+    not an extension of what the slot holds: the common prefix (the opening) is reused, the rest
+    re-run. Tokens and log-probs equal a sampler with nothing cached and a teacher-forced forward."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
+    results = {}
+    for reuse in (False, True):
+        sampler = HFSampler(arch_model, tokenizer)
+        keys = ["a", "b"] if reuse else None
+        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
+        turn2 = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
+        second = sampler.generate(turn2, params, seeds=[3, 4], keys=keys)
+        window = [p + c.token_ids + obs[:2] for p, c in zip(prompts, second)]  # the opening, then turn 2's reply
+        before = sampler.reused_tokens
+        third = sampler.generate(window, params, seeds=[5, 6], keys=keys)
+        if reuse:
+            assert sampler.reused_tokens - before == sum(len(p) for p in prompts)  # the opening, nothing more
+            for p, c in zip(window, third):
+                assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
+        results[reuse] = first + second + third
+    for a, b in zip(results[False], results[True]):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_seeds_reproduce_a_row_whatever_the_batch(arch_model, tokenizer, prompts):
     sampler = HFSampler(arch_model, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
@@ -279,7 +305,9 @@ def test_store_grows_one_layer_at_a_time_and_keeps_its_rows():
     store.hold("x", [1, 2, 3])
     store.place(["x", "y"], [9, 2])  # more slots and more positions
     assert (store.slots, store.capacity) == (2, 12) and bool((store.k[1][0, :, :3] == 7.0).all())
-    assert store.reusable("x", [1, 2, 3, 4]) == 3 and store.reusable("x", [1, 2, 3]) == 0 and store.reusable("x", [9, 2, 3, 4]) == 0
+    assert store.reusable("x", [1, 2, 3, 4]) == 3 and store.reusable("x", [9, 2, 3, 4]) == 0
+    # the common prefix of a prompt that does not extend the held ids, at least one token left to run
+    assert store.reusable("x", [1, 2, 9, 9]) == 2 and store.reusable("x", [1, 2, 3]) == 2 and store.reusable("x", [1]) == 0
 
 
 def test_row_uniforms_are_a_function_of_seed_and_index_only():

@@ -81,6 +81,45 @@ def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenize
         assert tokenizer.decode(rendered[len(example.token_ids):]).strip() == ""  # the template's trailing newline
 
 
+@pytest.mark.parametrize("history", [1, 2])
+def test_windowed_expert_data_is_what_the_policy_is_shown_token_for_token(tmp_path, games, tokenizer, history):
+    """prompt.history N: one example per walkthrough step, its ids the chat template's rendering of
+    the system prompt, the first observation (the task) and only the last N turns, then the taught
+    reply: built here independently. The sampler is given the same ids at each step (recorded)."""
+    from agentrl.env import AlfworldEnv
+    from agentrl.prompt import episode_messages
+    from agentrl.train import sft as sft_module
+
+    cfg = sft_cfg(**{"prompt.history": history})
+    game = games["pick_and_place_simple"]
+    seen = []
+    real = sft_module.ExpertSampler.generate
+
+    def recording(self, prompts, params, seeds=None, keys=None):
+        seen.extend(list(p) for p in prompts)
+        return real(self, prompts, params, seeds, keys)
+
+    sft_module.ExpertSampler.generate = recording
+    try:
+        data = expert_dataset(cfg, [game], tokenizer, envs=None, cache_dir=tmp_path)
+    finally:
+        sft_module.ExpertSampler.generate = real
+    assert len(data.examples) == len(game.walkthrough) > history + 1  # windows do cut something here
+    env = AlfworldEnv(game)
+    opening = episode_messages(game.task_type, env.reset().observation, example="none", reply="action")
+    turns = []  # (reply, the observation after it)
+    for i, (command, example) in enumerate(zip(game.walkthrough, data.examples)):
+        kept = [m for a, o in turns[max(0, i - history):] for m in
+                ({"role": "assistant", "content": a}, {"role": "user", "content": o})]
+        context = tokenizer(tokenizer.apply_chat_template(opening + kept, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False).input_ids
+        reply = tokenizer(f"Action: {command}<|im_end|>", add_special_tokens=False).input_ids
+        assert example.token_ids == context + reply, f"step {i}"
+        assert example.action_mask == [0] * len(context) + [1] * len(reply)
+        assert seen[i] == context  # what the sampler was asked to continue
+        turns.append((f"Action: {command}", env.step(command).observation))
+
+
 def test_bad_walkthroughs_are_reported_by_game_and_skipped(tmp_path, games, tokenizer, monkeypatch):
     good, short = games["pick_and_place_simple"], games["look_at_obj_in_light"]
     unwinnable = dataclasses.replace(short, walkthrough=short.walkthrough[:-1])
@@ -146,7 +185,7 @@ def test_sft_lowers_heldout_nll_and_writes_a_standard_peft_adapter(warm_start, t
     before, after = rows[1]["heldout_nll"], rows[-1]["heldout_nll"]
     assert after < before - 0.1, (before, after)  # measured: 7.56 -> 7.23
     assert summary["heldout_nll"] == {"before": before, "after": after}
-    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action", "admissible": False}
+    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action", "admissible": False, "history": 0}
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_actor_dir), out)  # loads unchanged
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # trained, not the zero init
@@ -261,7 +300,7 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     for adapter in (straight / "adapters" / "v2", straight / "checkpoints" / "it00002" / "adapter",
                     resumed / "adapters" / "v2", resumed / "checkpoints" / "it00002" / "adapter"):
         record = json.loads((adapter / "agentrl.json").read_text())
-        assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False}, adapter
+        assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False, "history": 0}, adapter
         evaluated = load_config(None, {"model.adapter": str(adapter)})
         assert (evaluated.prompt.example, evaluated.prompt.reply) == ("none", "action")
 

@@ -542,6 +542,9 @@ def offpolicy_cmd(cfg, buffer_path: Path, out: Optional[Path], steps: int, group
     for name, value in (("--steps", steps), ("--groups-per-step", groups_per_step), ("--positions", positions)):
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
+    if cfg.prompt.history:
+        raise UserError("--off-policy teacher-forces each buffered trajectory as one sequence: not with prompt.history "
+                        f"{cfg.prompt.history} (set prompt.history 0)")
     gate = cfg.rollout.parsed_gate()
     arms = ("baseline", "gated") if ab else (("gated",) if gate else ("baseline",))
     if ab and gate is None:

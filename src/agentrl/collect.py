@@ -31,7 +31,7 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
     return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir,
-                       messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible))
+                       messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
 
 
 def roll(cfg: Config, games, policy: ModelPolicy, on_step=None, on_reset=None, envs=None,

@@ -70,6 +70,10 @@ class PromptConfig:
     reply: str | None = None  # react (Thought + Action) | action (Action only, as warm starts are taught)
     # list the admissible commands after every observation (verl-agent's ALFWorld prompt); None: the adapter's, else off
     admissible: bool | None = None
+    # the history window: the task (first observation) and the last N turns; 0: the whole episode.
+    # A windowed prompt is not a prefix of the next one: the sampler re-prefills its window each step,
+    # and the learner trains one sequence per step. None: the adapter's, else 0
+    history: int | None = None
 
 
 @dataclass
@@ -338,6 +342,11 @@ class Config:
             (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
             (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
             (self.prompt.admissible in (None, True, False), f"prompt.admissible must be true or false, got {self.prompt.admissible!r}"),
+            (self.prompt.history is None or (isinstance(self.prompt.history, int) and not isinstance(self.prompt.history, bool)
+                                             and self.prompt.history >= 0),
+             f"prompt.history must be a whole number >= 0 (0: the whole episode), got {self.prompt.history!r}"),
+            (not self.prompt.history or self.learner.loss_agg != "seq-mean-token-mean",
+             "learner.loss_agg seq-mean-token-mean needs the whole episode in one sequence: not with prompt.history"),
             (self.rollout.skip_tasks >= 0, f"rollout.skip_tasks must be >= 0, got {self.rollout.skip_tasks}"),
             (self.learner.epochs >= 1, f"learner.epochs must be >= 1, got {self.learner.epochs}"),
             (self.learner.minibatches >= 1, f"learner.minibatches must be >= 1, got {self.learner.minibatches}"),
@@ -527,7 +536,7 @@ def effective_prompt(cfg: "Config") -> dict:
     """The prompt settings a run actually uses (unset ones at their defaults): what every adapter
     it writes records in its agentrl.json, so an eval of that adapter uses the same prompt."""
     return {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react",
-            "admissible": bool(cfg.prompt.admissible)}
+            "admissible": bool(cfg.prompt.admissible), "history": int(cfg.prompt.history or 0)}
 
 
 def write_adapter_record(adapter_dir: Path, prompt: dict, **extra) -> None:
@@ -545,4 +554,7 @@ def apply_adapter_prompt(cfg: "Config") -> "Config":
     for key, allowed in (("example", PROMPT_EXAMPLES), ("reply", PROMPT_REPLIES), ("admissible", (True, False))):
         if getattr(cfg.prompt, key) is None and key in trained and trained[key] in allowed:
             setattr(cfg.prompt, key, trained[key])
+    h = trained.get("history")
+    if cfg.prompt.history is None and isinstance(h, int) and not isinstance(h, bool) and h >= 0:
+        cfg.prompt.history = h
     return cfg

@@ -32,7 +32,7 @@ def build_policy(cfg: Config, sampler=None):
     else:
         params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
     return ModelPolicy(sampler, params, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                       admissible=bool(cfg.prompt.admissible))
+                       admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
 
 
 def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict:

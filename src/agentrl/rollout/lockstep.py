@@ -22,7 +22,7 @@ from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
 from agentrl.rollout.signals import command_symbol, compute_signals
-from agentrl.rollout.trajectory import Step, Trajectory
+from agentrl.rollout.trajectory import Step, Trajectory, window
 from agentrl.sampling.base import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,12 @@ class ModelPolicy:
     """Acts by sampling from a Sampler; builds each trajectory's exact tokens as it goes."""
 
     def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None,
-                 messages: Callable[[str, str, str | None], list[dict]] = episode_messages, admissible: bool = False):
+                 messages: Callable[[str, str, str | None], list[dict]] = episode_messages, admissible: bool = False,
+                 history: int = 0):
         self.sampler, self.params, self.seed, self.prompt_dir = sampler, params, seed, prompt_dir
         self.messages = messages  # (task_type, first observation, prompt_dir) -> chat messages
         self.admissible = admissible  # prompt.admissible: each observation lists the admissible commands
+        self.history = history  # prompt.history: the task and the last N turns (0: the whole episode)
         self.renderer = ChatRenderer(sampler.tokenizer)
         self._stopped: dict[int, bool] = {}
 
@@ -61,7 +63,7 @@ class ModelPolicy:
     def act(self, trajs: list[Trajectory]) -> list[str]:
         seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
         keys = [(t.game.game_id, t.index) for t in trajs]
-        completions = self.sampler.generate([t.token_ids for t in trajs], self.params, seeds, keys)
+        completions = self.sampler.generate([self.context(t) for t in trajs], self.params, seeds, keys)
         if len(completions) != len(trajs):
             raise RuntimeError(f"the sampler returned {len(completions)} completions for {len(trajs)} prompts")
         completions = [self._bounded(c) for c in completions]
@@ -72,6 +74,10 @@ class ModelPolicy:
             t.adapter_versions.append(c.adapter_version)
             self._stopped[id(t)] = c.finish_reason == "stop"
         return [c.text for c in completions]
+
+    def context(self, traj: Trajectory) -> list[int]:
+        """The ids the next reply is sampled from: the whole episode, or its window (prompt.history)."""
+        return window(traj, self.history) if self.history else traj.token_ids
 
     @property
     def context_limit(self) -> int | None:
@@ -357,7 +363,8 @@ class _Context:
         live = [k for k in wave.members if not self.trajs[k].done]
         limit = getattr(self.policy, "context_limit", None)
         if limit is not None:  # vLLM would end such a reply early at max_model_len: end the episode cleanly
-            full = [k for k in live if len(self.trajs[k].token_ids) > limit]
+            context = getattr(self.policy, "context", lambda t: t.token_ids)
+            full = [k for k in live if len(context(self.trajs[k])) > limit]
             for k in full:
                 self.trajs[k].stop_reason = "context_full"
             if full:

@@ -35,6 +35,7 @@ class Trajectory:
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
+    reply_starts: list[int] = field(default_factory=list)  # offset in token_ids where each reply begins
     adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
     # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
     stop_reason: str | None = None  # None while running
@@ -71,6 +72,8 @@ class Trajectory:
         return sum(not s.valid for s in self.steps)
 
     def append(self, ids: list[int], generated: bool, logprobs: list[float] | None = None) -> None:
+        if generated:
+            self.reply_starts.append(len(self.token_ids))
         self.token_ids.extend(ids)
         self.action_mask.extend([1 if generated else 0] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
@@ -100,6 +103,7 @@ class Trajectory:
         out["action_mask"] = self.action_mask
         out["logprobs"] = self.logprobs
         out["step_tokens"] = self.step_tokens
+        out["reply_starts"] = self.reply_starts
         out["adapter_versions"] = self.adapter_versions
         return out
 
@@ -119,6 +123,37 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
         "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
     }
+
+
+# ---------------------------------------------------------------- prompt.history: the windowed view
+# A trajectory's token_ids are the whole episode, [opening] + a_1 + o_2 + a_2 + ... (o_i: the closing
+# of the reply's turn, the observation, the next assistant header). Under prompt.history N the policy
+# sees, before reply i, the opening (system, example, first observation: the task) and the last N
+# replies with what followed them: the same ids, the turns in between left out. So the window is
+# token-exact (nothing re-tokenised) and the SFT data, the sampler and the learner all cut it alike.
+def window(traj, history: int, reply: int | None = None) -> list[int]:
+    """The ids the policy conditions on before reply number `reply` (0-based; None: the next one).
+    `traj`: anything with token_ids and reply_starts (a Trajectory, a TrainItem)."""
+    starts = traj.reply_starts
+    i = len(starts) if reply is None else reply
+    end = starts[i] if i < len(starts) else len(traj.token_ids)
+    if not history or i <= history:
+        return list(traj.token_ids[:end])
+    return list(traj.token_ids[: starts[0]]) + list(traj.token_ids[starts[i - history] : end])
+
+
+def step_sequences(traj, history: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """Under prompt.history N: one (ids, action mask, sampler log-probs) per reply, its window then
+    the reply itself (what the sampler saw and produced at that step); the learner and the SFT
+    data train on these. With N = 0 this is the whole trajectory, once."""
+    if not history:
+        return [(list(traj.token_ids), list(traj.action_mask), list(traj.logprobs))]
+    out = []
+    for i, (start, n) in enumerate(zip(traj.reply_starts, traj.step_tokens)):
+        context = window(traj, history, i)
+        out.append((context + list(traj.token_ids[start : start + n]), [0] * len(context) + [1] * n,
+                    [0.0] * len(context) + list(traj.logprobs[start : start + n])))
+    return out
 
 
 # An advantage is a number per trajectory (GRPO) or a list with one per reply (GiGPO).

@@ -230,11 +230,22 @@ class SlotStore(Cache):
     # ------------------------------------------------------------ keys
 
     def reusable(self, key, prompt: list[int]) -> int:
-        """How many leading tokens of `prompt` the key's slot already holds (0: none)."""
+        """How many leading tokens of `prompt` the key's slot already holds (0: none): its common
+        prefix with what the slot holds (a turn continuing the last: all of it; a prompt.history
+        window: the opening), at least one token left to run. Keys and values at a position
+        depend only on the tokens up to it, so the shared prefix's are valid as they are; the
+        rest of the slot is overwritten from there."""
         held = self.ids.get(key)
-        if held and len(held) < len(prompt) and prompt[: len(held)] == held:
+        if not held:
+            return 0
+        if len(held) < len(prompt) and prompt[: len(held)] == held:
             return len(held)
-        return 0
+        n = 0
+        for a, b in zip(held, prompt):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(prompt) - 1)
 
     def hold(self, key, ids: list[int]) -> None:
         """The key's slot now holds the keys and values of exactly `ids`."""

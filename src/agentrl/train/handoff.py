@@ -21,10 +21,11 @@ class TrainItem:
     action_mask: list[int]
     logprobs: list[float]
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
+    reply_starts: list[int] = field(default_factory=list)  # where each reply begins (prompt.history's windows)
 
 
 def train_items(batch) -> list:
     """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
-    step tokens), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
-    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens)),
+    step tokens, reply starts), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
+    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens), list(t.reply_starts)),
              [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]

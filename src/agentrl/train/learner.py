@@ -17,7 +17,8 @@ import torch
 
 from agentrl import faults
 from agentrl.config import LearnerConfig, write_adapter_record
-from agentrl.rollout.trajectory import is_zero, token_advantages, trained_tokens
+from agentrl.rollout.trajectory import is_zero, step_sequences, token_advantages, trained_tokens
+from agentrl.train.handoff import TrainItem
 from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference, token_logprobs
 
 
@@ -41,6 +42,20 @@ def lora_config(cfg: LearnerConfig):
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
+
+
+def per_step_items(batch, history: int) -> list[tuple[TrainItem, object]]:
+    """Under prompt.history N a trajectory's reply i was sampled from its window, not from the
+    whole episode: one item per reply (window + reply, the mask on the reply), with the trajectory's
+    advantage (GRPO) or the reply's own (GiGPO). The action tokens and advantages are the
+    trajectory's, so seq-sum and token-mean losses keep their meaning (N: trajectories)."""
+    out = []
+    for t, a in batch:
+        for i, (ids, mask, logprobs) in enumerate(step_sequences(t, history)):
+            n = sum(mask)
+            if n:  # an empty reply has no token to train
+                out.append((TrainItem(ids, mask, logprobs, [n]), [a[i]] if isinstance(a, (list, tuple)) else a))
+    return out
 
 
 class Learner:
@@ -119,6 +134,9 @@ class Learner:
         cfg = self.cfg
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
+        history = int((self.prompt or {}).get("history") or 0)
+        if history:  # prompt.history: each reply was sampled from its own window; train each on it (N stays trajectories)
+            batch = per_step_items(batch, history)
         # A = 0 contributes exactly zero to the loss and its gradient in every aggregation (it only
         # counts in N or the token total): no forward/backward for it. Zero-variance groups are all A = 0.
         # Per-step advantages (GiGPO): a trajectory whose steps are all A = 0 is skipped the same way.

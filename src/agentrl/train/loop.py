@@ -175,7 +175,7 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     t0 = time.perf_counter()
     greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
     policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                         admissible=bool(cfg.prompt.admissible))
+                         admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
     t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
     from agentrl.evaluate import slice_size
 
@@ -300,7 +300,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
         policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
                              seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                             admissible=bool(cfg.prompt.admissible))
+                             admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
 
         def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
             return roll(cfg, games, policy, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,

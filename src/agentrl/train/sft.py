@@ -134,6 +134,8 @@ def dataset_key(games, cfg: Config, tokenizer) -> str:
                          [(g.game_id, g.split, list(g.walkthrough)) for g in games]]).encode())
     if cfg.prompt.admissible:  # (only when on: the caches built before the option keep their keys)
         h.update(b"admissible")
+    if cfg.prompt.history:
+        h.update(f"history {cfg.prompt.history}".encode())
     files = [prompt_dir / SYSTEM_FILES[cfg.prompt.reply or "react"]]
     if cfg.prompt.example == "type":
         files += sorted((prompt_dir / "examples").glob("*.txt"))
@@ -148,6 +150,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     `cfg.prompt` asks for. A walkthrough that does not win its game is reported and skipped.
     With `cache_dir` the examples are kept there, keyed by games, prompt and tokenizer."""
     from agentrl.rollout import ModelPolicy, run_lockstep
+    from agentrl.rollout.trajectory import step_sequences
 
     cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
     if cache is not None and cache.is_file():
@@ -159,13 +162,14 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
     longest = max((len(g.walkthrough) for g in games), default=0)
     policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, prompt_dir=cfg.prompt.dir,
-                         messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible))
+                         messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
     rollout = run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
                            make_env=env_factory(cfg.env.kind), envs=envs, on_step=on_step) if games else None
     examples, skipped = [], [(g.game_id, "no walkthrough") for g in no_walkthrough]
     for t in rollout.trajectories if rollout else []:
-        if t.won:
-            examples.append(Example(t.game.game_id, t.game.task_type, t.token_ids, t.action_mask))
+        if t.won:  # prompt.history N: one example per step, its window then the reply (what a rollout samples from)
+            examples += [Example(t.game.game_id, t.game.task_type, ids, mask)
+                         for ids, mask, _ in step_sequences(t, cfg.prompt.history or 0)]
         else:
             why = t.error or f"the walkthrough did not win the game (ended {t.stop_reason} after {len(t.steps)} steps)"
             skipped.append((t.game.game_id, why))
@@ -266,7 +270,8 @@ def recipe(cfg: Config) -> dict:
     lc = cfg.learner
     return {"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
             "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
-                       **({"admissible": True} if cfg.prompt.admissible else {})},
+                       **({"admissible": True} if cfg.prompt.admissible else {}),
+                       **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
             "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
                      "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
             "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION}
@@ -325,13 +330,15 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         order = batches[:]
         rng.shuffle(order)  # batches are length buckets; their order is random
         orders.append(order)
-    epoch_steps = [len(optimizer_steps(order, s.batch_games)) for order in orders]
+    # a game's worth of examples: 1, or its steps under prompt.history (one example per reply), so a
+    # step holds batch_games games' replies whichever way the prompt is cut
+    per_game = len(data.examples) / max(1, len({e.game_id for e in data.examples}))
+    epoch_steps = [len(optimizer_steps(order, s.batch_games, per_game)) for order in orders]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s, sum(epoch_steps)))
     rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
              "reply_tokens": sum(e.reply_tokens for e in data.examples),
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
-             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": {"example": cfg.prompt.example,
-                                                                              "reply": cfg.prompt.reply}}]
+             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg)}]
     rows.append({"kind": "epoch", "epoch": 0, "train_nll": None,
                  "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "elapsed_s": round(replay_s, 3)})
     hooks.done(rows[-1])
@@ -340,7 +347,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         policy.train()
         hooks.phase("train", len(order))
         epoch_sum, epoch_n = 0.0, 0
-        for pending in optimizer_steps(order, s.batch_games):
+        for pending in optimizer_steps(order, s.batch_games, per_game):
             n_tokens = sum(sum(e.reply_tokens for e in b) for b in pending)
             optimizer.zero_grad(set_to_none=True)
             for b in pending:  # the token-mean NLL over the step's games, accumulated micro-batch by micro-batch
@@ -373,14 +380,15 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     return summary
 
 
-def optimizer_steps(order: list[list[Example]], batch_games: int) -> list[list[list[Example]]]:
+def optimizer_steps(order: list[list[Example]], batch_games: int, per_game: float = 1.0) -> list[list[list[Example]]]:
     """The epoch's micro-batches grouped into optimizer steps: each step accumulates micro-batches
-    until it holds at least `batch_games` games (the last step takes what is left)."""
-    steps, pending, games = [], [], 0
+    until it holds at least `batch_games` games, a game being `per_game` examples (the last step
+    takes what is left)."""
+    steps, pending, games = [], [], 0.0
     for batch in order:
         pending.append(batch)
-        games += len(batch)
-        if games >= batch_games:
+        games += len(batch) / per_game
+        if games >= batch_games - 1e-9:
             steps.append(pending)
             pending, games = [], 0
     if pending:
