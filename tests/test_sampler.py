@@ -60,9 +60,19 @@ def test_logprobs_equal_teacher_forced(arch_model, tokenizer, prompts):
         assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, prompts):
     """Turn 2 continues turn 1 (reply + an observation of a different length per row): with keys
-    the cached prefix is reused; tokens and log-probs equal the run without keys and a teacher-forced forward."""
+    the cached prefix is reused. Turn 3 is a prompt.history window, the opening then turn 2's reply
+    only (turn 1 left out): not an extension of what the slot holds, so only the common prefix is
+    reused and the rest re-run. Tokens and log-probs equal the run without keys and a
+    teacher-forced forward."""
     params = SamplingParams(temperature=1.0, max_new_tokens=5)
     obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
     results = {}
@@ -72,7 +82,6 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
         first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
         second_prompts = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
         second = sampler.generate(second_prompts, params, seeds=[3, 4], keys=keys)
-        results[reuse] = first + second
         if reuse:
             assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
             assert sampler.store.live == 2
@@ -80,29 +89,13 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
                 assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
         else:
             assert sampler.store.live == 0  # unnamed rows hold nothing after their call
-    for a, b in zip(results[False], results[True]):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-
-
-def test_a_window_that_drops_turns_reuses_only_the_shared_opening(arch_model, tokenizer, prompts):
-    """prompt.history: turn 3's prompt is the opening then turn 2 only (turn 1 left out), so it is
-    not an extension of what the slot holds: the common prefix (the opening) is reused, the rest
-    re-run. Tokens and log-probs equal a sampler with nothing cached and a teacher-forced forward."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=5)
-    obs = tokenizer("an observation of some length", add_special_tokens=False).input_ids
-    results = {}
-    for reuse in (False, True):
-        sampler = HFSampler(arch_model, tokenizer)
-        keys = ["a", "b"] if reuse else None
-        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
-        turn2 = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
-        second = sampler.generate(turn2, params, seeds=[3, 4], keys=keys)
-        window = [p + c.token_ids + obs[:2] for p, c in zip(prompts, second)]  # the opening, then turn 2's reply
+        window = [p + c.token_ids + obs[:2] for p, c in zip(prompts, second)]
+        held = [p + c.token_ids[:-1] for p, c in zip(second_prompts, second)]  # the last token's keys are not computed
         before = sampler.reused_tokens
         third = sampler.generate(window, params, seeds=[5, 6], keys=keys)
-        if reuse:
-            assert sampler.reused_tokens - before == sum(len(p) for p in prompts)  # the opening, nothing more
+        if reuse:  # the opening at least (more only where two replies happen to start alike)
+            assert sampler.reused_tokens - before == sum(_common_prefix(h, w) for h, w in zip(held, window))
+            assert sampler.reused_tokens - before >= sum(len(p) for p in prompts)
             for p, c in zip(window, third):
                 assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
         results[reuse] = first + second + third

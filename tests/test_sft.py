@@ -5,7 +5,6 @@ real PEFT adapters, the tiny Llama of conftest.py."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -19,7 +18,6 @@ import torch
 
 from agentrl.config import TASK_TYPES, load_config
 from agentrl.env.data import discover_games
-from agentrl.errors import UserError
 from agentrl.train.sft import expert_dataset, lr_lambda, micro_batches, optimizer_steps, round_robin, run_sft, sft_prompt
 
 REPO = Path(__file__).resolve().parents[1]

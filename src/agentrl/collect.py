@@ -16,7 +16,7 @@ import numpy as np
 from scipy import stats as sps
 
 from agentrl.config import Config
-from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.env import env_factory, find_games, prompt_options
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
 from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, merge_rollouts, run_lockstep
@@ -30,8 +30,7 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 
 def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
     params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, prompt_dir=cfg.prompt.dir,
-                       messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
+    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, **prompt_options(cfg))
 
 
 def roll(cfg: Config, games, policy: ModelPolicy, on_step=None, on_reset=None, envs=None,

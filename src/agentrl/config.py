@@ -342,8 +342,7 @@ class Config:
             (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
             (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
             (self.prompt.admissible in (None, True, False), f"prompt.admissible must be true or false, got {self.prompt.admissible!r}"),
-            (self.prompt.history is None or (isinstance(self.prompt.history, int) and not isinstance(self.prompt.history, bool)
-                                             and self.prompt.history >= 0),
+            (self.prompt.history is None or (type(self.prompt.history) is int and self.prompt.history >= 0),
              f"prompt.history must be a whole number >= 0 (0: the whole episode), got {self.prompt.history!r}"),
             (not self.prompt.history or self.learner.loss_agg != "seq-mean-token-mean",
              "learner.loss_agg seq-mean-token-mean needs the whole episode in one sequence: not with prompt.history"),
@@ -551,10 +550,9 @@ def apply_adapter_prompt(cfg: "Config") -> "Config":
     start is never evaluated or trained with the wrong prompt by accident."""
     adapter = cfg.train.init_adapter or cfg.model.adapter
     trained = (adapter_record(adapter) or {}).get("prompt", {})
-    for key, allowed in (("example", PROMPT_EXAMPLES), ("reply", PROMPT_REPLIES), ("admissible", (True, False))):
-        if getattr(cfg.prompt, key) is None and key in trained and trained[key] in allowed:
+    valid = {"example": lambda v: v in PROMPT_EXAMPLES, "reply": lambda v: v in PROMPT_REPLIES,
+             "admissible": lambda v: isinstance(v, bool), "history": lambda v: type(v) is int and v >= 0}
+    for key, ok in valid.items():
+        if getattr(cfg.prompt, key) is None and key in trained and ok(trained[key]):
             setattr(cfg.prompt, key, trained[key])
-    h = trained.get("history")
-    if cfg.prompt.history is None and isinstance(h, int) and not isinstance(h, bool) and h >= 0:
-        cfg.prompt.history = h
     return cfg

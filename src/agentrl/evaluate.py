@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.config import Config, effective_prompt
-from agentrl.env import env_factory, find_games, open_envs, prompt_messages
+from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics
@@ -31,8 +31,7 @@ def build_policy(cfg: Config, sampler=None):
         params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
     else:
         params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler, params, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                       admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
+    return ModelPolicy(sampler, params, seed=cfg.seed, **prompt_options(cfg))
 
 
 def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict:

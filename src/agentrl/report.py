@@ -174,7 +174,7 @@ def run_summary(run: Run) -> dict:
         "best_heldout_success": best.get("success") if best else None,
         "best_heldout_iteration": best["iteration"] if best else None,
         # first vs last eval on the same games (exact McNemar): did the run move beyond noise?
-        "heldout_verdict": learning_verdict([r for r in scored]) if len(scored) >= 2 else None,
+        "heldout_verdict": learning_verdict(scored),
         "wall_clock_s": last.get("elapsed_s"),
         "mean_s_per_iteration": {p: mean(r.get(f"{p}_s") for r in run.iterations) for p in PHASES},
         "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),
@@ -362,8 +362,9 @@ def fmt_duration(s) -> str:
 
 def success_at(r: dict, which: str) -> str:
     v, it = r[f"{which}_heldout_success"], r[f"{which}_heldout_iteration"]
-    text = r.get(f"{which}_heldout") or (None if v is None else f"{100 * v:.1f}%")  # with its 95% interval
-    return "–" if v is None else f"{text} @{it}"
+    if v is None:
+        return "–"
+    return f"{r.get(f'{which}_heldout') or f'{100 * v:.1f}%'} @{it}"  # with its 95% interval where the report has it
 
 
 RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",

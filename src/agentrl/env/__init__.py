@@ -60,6 +60,13 @@ def env_overlap(cfg) -> bool:
     return str(device).startswith("cuda")
 
 
+def prompt_options(cfg) -> dict:
+    """ModelPolicy's prompt arguments from a config: the prompt folder, the messages for the env,
+    the admissible list and the history window (every policy a command builds takes these)."""
+    return {"prompt_dir": cfg.prompt.dir, "messages": prompt_messages(cfg.env.kind, cfg.prompt),
+            "admissible": bool(cfg.prompt.admissible), "history": cfg.prompt.history or 0}
+
+
 def prompt_messages(kind: str, prompt=None):
     """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind` and the
     `prompt` config section (its example / reply variant)."""
@@ -91,6 +98,7 @@ __all__ = [
     "find_games",
     "open_envs",
     "prompt_messages",
+    "prompt_options",
     "AlfworldEnv",
     "Game",
     "GameLoadError",

@@ -13,7 +13,6 @@ come back as `EnvFailure` (their trajectories end with env_error) and the run go
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field

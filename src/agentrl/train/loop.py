@@ -39,7 +39,7 @@ import yaml
 from agentrl import faults
 from agentrl.collect import roll
 from agentrl.config import Config, load_config
-from agentrl.env import env_factory, find_games, open_envs, prompt_messages
+from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero
@@ -174,8 +174,7 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     """Greedy episodes on the held-out tasks with the sampler's current adapter."""
     t0 = time.perf_counter()
     greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
-    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                         admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
+    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, **prompt_options(cfg))
     t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
     from agentrl.evaluate import slice_size
 
@@ -299,8 +298,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         selection.begin(it)
         hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
         policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
-                             seed=iteration_seed(cfg.seed, it), prompt_dir=cfg.prompt.dir, messages=prompt_messages(cfg.env.kind, cfg.prompt),
-                             admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
+                             seed=iteration_seed(cfg.seed, it), **prompt_options(cfg))
 
         def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
             return roll(cfg, games, policy, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,

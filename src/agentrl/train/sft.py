@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
-from agentrl.env import env_factory, find_games, prompt_messages
+from agentrl.env import env_factory, find_games, prompt_options
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, SamplingParams
 
@@ -161,8 +161,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     games = [g for g in games if g.walkthrough]
     sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
     longest = max((len(g.walkthrough) for g in games), default=0)
-    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, prompt_dir=cfg.prompt.dir,
-                         messages=prompt_messages(cfg.env.kind, cfg.prompt), admissible=bool(cfg.prompt.admissible), history=cfg.prompt.history or 0)
+    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, **prompt_options(cfg))
     rollout = run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
                            make_env=env_factory(cfg.env.kind), envs=envs, on_step=on_step) if games else None
     examples, skipped = [], [(g.game_id, "no walkthrough") for g in no_walkthrough]
