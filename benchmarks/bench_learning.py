@@ -8,7 +8,8 @@ learning curve:
 1. `agentrl sft --config C`                                              -> W/warmstart
 2. greedy `agentrl eval` of the warm start on all valid_seen and all valid_unseen games
    (T_max of the config's eval)                                          -> W/eval/warmstart-it0/<split>
-3. per arm (default: the config's gate with --gate-audit, and no gate), `agentrl train
+3. per arm (default: the config's gate with --gate-audit, and no gate; `penalty`: the gate and
+   an invalid-action reward), `agentrl train
    --init-adapter W/warmstart`, in segments of `--eval-every` iterations (`--resume` between
    them); after each segment its checkpoint's adapter (which carries the warm start's prompt)
    is evaluated like the warm start                                      -> W/<arm>, W/eval/<arm>-itN/<split>
@@ -98,7 +99,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=None, help="GRPO iterations per arm (default: the config's)")
     ap.add_argument("--eval-every", type=int, default=None, help="iterations between curve points (default: the config's train.eval_every)")
     ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all 140 / 134)")
-    ap.add_argument("--arms", default="gated,ungated", help="gated (the config's gate, --gate-audit 0.25) and/or ungated")
+    ap.add_argument("--arms", default="gated,ungated",
+                    help="gated (the config's gate, --gate-audit 0.25), ungated, penalty (gated + --invalid-action-reward)")
+    ap.add_argument("--invalid-action", default="-0.01", help="the penalty arm's reward of an invalid reply (verl-agent's 0.1 of 10)")
     ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
     ap.add_argument("--midpoint-splits", default=",".join(SPLITS),
@@ -130,6 +133,7 @@ def main() -> None:
 
     evaluate("warmstart-it0", ws)
     arms = {"gated": ["--gate", gate, "--gate-audit", args.gate_audit], "ungated": ["--gate", "off", "--gate-audit", "0"]}
+    arms["penalty"] = arms["gated"] + ["--invalid-action-reward", args.invalid_action]
     chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     for arm in chosen:
         out = w / arm
