@@ -258,3 +258,41 @@ def test_a_run_whose_kv_cache_cannot_fit_is_refused_up_front(tmp_path, command, 
     assert not out.exists()
     assert_clean_error(agentrl(command, "--out", str(out), "--kv-budget-gb", "lots", *args),
                        r"sampling.kv_budget_gb must be auto or a number of GB > 0, got 'lots'")
+
+
+def test_a_run_whose_learner_cannot_fit_is_refused_up_front(tmp_path):
+    """micro-batch rows x expected episode tokens x activation bytes per token over the free memory:
+    one line naming the knobs (micro-batch, gradient checkpointing), exit 2, nothing written."""
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text("env:\n  max_steps: 30\nlearner:\n  micro_batch: 128\n")
+    out = tmp_path / "out"
+    proc = agentrl("train", "--config", str(cfg), "--out", str(out), "--tasks", "16", "--group-size", "8",
+                   "--kv-budget-gb", "1000")
+    assert_clean_error(proc, r"train's learner: 128 rows x ~\d+ tokens per micro-batch need ~[\d.]+ GB of activations, "
+                             r"~[\d.]+ GB with the model and LoRA state, over the [\d.]+ GB free on cpu; try a smaller "
+                             r"learner.micro_batch .*learner.gradient_checkpointing: true")
+    assert not out.exists()
+
+
+def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
+    """Not a terminal (`make train | tee log`): the learner's update sends no progress for minutes;
+    the display still prints the phase every `every_s`, and prints nothing once stopped."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from agentrl.cli import LineProgress, TextColumn
+
+    buf = io.StringIO()
+    bar = LineProgress(TextColumn("{task.description}"), console=Console(file=buf, force_terminal=False))
+    bar.every_s = 0.2
+    with bar:
+        task = bar.add_task("loading", total=None, info="")
+        bar.update(task, description="train", completed=0, total=None, info="")
+        time.sleep(0.9)  # no update() in between, as during an update
+    printed = len(buf.getvalue().splitlines())
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.startswith("train  0")]
+    assert len(lines) >= 2 and all(ln.endswith("elapsed") for ln in lines)
+    time.sleep(0.5)
+    assert len(buf.getvalue().splitlines()) == printed

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -62,6 +63,9 @@ DataOpt = Annotated[Optional[str], typer.Option("--data", help="ALFWorld data ro
 
 @app.callback()
 def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    from agentrl.procmem import return_freed_memory
+
+    return_freed_memory()  # freed activations go back to the system, not into a fragmented heap (procmem.py)
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(message)s",
@@ -74,13 +78,34 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 
 class LineProgress(Progress):
     """A progress display for a log (stderr not a terminal, e.g. `make train | tee log`): rich
-    draws no bar there, so each task prints one plain line at most every `every_s` seconds."""
+    draws no bar there, so each unfinished task prints one plain line every `every_s` seconds,
+    also through a long step that reports nothing (the learner's update, a model load)."""
 
     every_s = 60.0
 
+    def start(self) -> None:
+        super().start()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._heartbeat, daemon=True, name="agentrl-progress").start()
+
+    def stop(self) -> None:
+        if hasattr(self, "_stopped"):
+            self._stopped.set()
+        super().stop()
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(self.every_s / 10):
+            with self._lock:
+                for task in list(self._tasks.values()):
+                    if not task.finished:
+                        self._line(task)
+
     def update(self, task_id, **kwargs) -> None:
         super().update(task_id, **kwargs)
-        task = self._tasks[task_id]
+        with self._lock:
+            self._line(self._tasks[task_id])
+
+    def _line(self, task) -> None:
         now = time.monotonic()
         last = getattr(task, "_agentrl_printed", None)
         if last is None:
@@ -386,6 +411,9 @@ def train_cmd(
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
     check_kv_fits(cfg, min(1, cfg.train.eval_tasks), cfg.train.eval_max_steps or t_max, "train's held-out eval")  # run in slices
+    from agentrl.train.memory import check_learner_fits
+
+    check_learner_fits(cfg, t_max)
     tasks = TaskSampler(cfg)
     if cfg.cluster.ray_address:  # no cluster there, or too few GPUs for the replicas: refused before the run is written
         from agentrl import cluster

@@ -74,7 +74,10 @@ class Learner:
         else:
             self.model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2's name for it
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)

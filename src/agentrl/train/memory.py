@@ -1,0 +1,142 @@
+"""What the learner will hold, known before a run starts: refused in one line when it cannot fit.
+
+The learner's peak is one micro-batch's forward + backward: `learner.micro_batch` rows of a whole
+episode (or, under `prompt.history`, of one step's window), each row's activations saved for
+backward, the vocabulary projection of one chunk of positions per row, and the LoRA's weights,
+gradients and AdamW moments, on top of the model's weights. On one device with the hf sampler
+the sampler's KV cache takes turns with it: the store gives its memory back when a rollout ends,
+so the device must hold the larger of the two.
+
+Activations per token, summed over a decoder's layers (LoRA on every linear layer, fp32 on CPU):
+the layer's input and norm outputs, q/k/v and their rotated copies, attention output, the MLP's
+gate/up/activation/product: about 10 h + 4 kv + 4 i values per layer (h hidden size, kv the
+key/value width, i the MLP's width). With gradient checkpointing a layer keeps only its input
+(and the hidden state the loss reads), and one layer is recomputed at a time. Measured on the
+default model, fp32, 2-core CPU (docs/measurements.md): 1.61 MB per token without checkpointing
+(this formula: 1.52) and 0.22 MB with it (0.19); SAFETY covers the difference and the allocator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentrl.errors import UserError
+
+SAFETY = 1.3
+LOGIT_COPIES = 3  # a chunk's fp32 logits, its log-softmax, and their gradient
+RESERVE_BYTES = 1 << 30  # Python, torch's own buffers, env workers' share of this machine
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _gb(n: int) -> str:
+    return f"{n / (1 << 30):.1f}"
+
+
+@dataclass
+class LearnerMemory:
+    weights: int  # the model's weights as loaded
+    lora_state: int  # LoRA weights + gradients + AdamW's two moments (fp32)
+    activations: int  # one micro-batch's saved activations
+    logits: int  # one micro-batch's chunk of vocabulary projections
+    kv_cache: int  # the hf sampler's KV cache for a rollout on the same device (0 elsewhere), between learner updates
+    rows: int
+    row_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora_state + max(self.activations + self.logits, self.kv_cache)
+
+
+def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing: bool) -> int:
+    """Activations one token keeps for backward across the model (the module docstring's count)."""
+    from agentrl.sampling.kv import kv_shape, text_config
+
+    c = text_config(config)
+    layers, kv_heads, head_dim = kv_shape(config)
+    h, i, kv = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size), kv_heads * head_dim
+    one_layer = 10 * h + 4 * kv + 4 * i
+    values = layers * 2 * h + one_layer if gradient_checkpointing else layers * one_layer
+    return int(SAFETY * values * dtype_bytes)
+
+
+def lora_params(config, r: int, target_modules) -> int:
+    """Trainable parameters of a LoRA of rank r on these modules of a Llama-style decoder."""
+    from agentrl.sampling.kv import kv_shape, text_config
+
+    c = text_config(config)
+    layers, kv_heads, head_dim = kv_shape(config)
+    h, i = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size)
+    q = c.num_attention_heads * head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv_heads * head_dim), "v_proj": (h, kv_heads * head_dim),
+              "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return layers * sum(r * sum(shapes.get(m, (h, h))) for m in target_modules)
+
+
+def weight_bytes(model_path: str) -> int:
+    """The model's weights: its safetensors (or .bin) files' size on disk."""
+    p = Path(model_path)
+    files = list(p.glob("*.safetensors")) or list(p.glob("*.bin"))
+    return sum(f.stat().st_size for f in files)
+
+
+def learner_memory(cfg, t_max: int) -> LearnerMemory:
+    """The learner's expected peak for this run's settings (see the module docstring)."""
+    import torch
+    from transformers import AutoConfig
+
+    from agentrl.models import load_tokenizer, pick_device, pick_dtype, resolve_model
+    from agentrl.sampling.kv import expected_context_tokens, kv_bytes_per_token
+
+    path = resolve_model(cfg.model.name)
+    model_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    sampler_device = pick_device(cfg.model.device)
+    device = cfg.learner.device or sampler_device
+    dtype = pick_dtype(cfg.model.dtype, device)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    history = cfg.prompt.history or 0
+    row_tokens = expected_context_tokens(cfg, min(history, t_max) if history else t_max, tokenizer)
+    rows = max(1, min(cfg.learner.micro_batch, cfg.rollout.tasks * cfg.rollout.group_size * (t_max if history else 1)))
+    r, modules = cfg.learner.lora_r, cfg.learner.target_modules
+    vocab = getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
+                    "vocab_size", 0)
+    same_device = device == sampler_device and cfg.sampling.backend == "hf"
+    kv = (cfg.rollout.tasks * cfg.rollout.group_size * expected_context_tokens(cfg, t_max, tokenizer)
+          * kv_bytes_per_token(model_config, pick_dtype(cfg.model.dtype, sampler_device))) if same_device else 0
+    return LearnerMemory(
+        weights=weight_bytes(path),
+        lora_state=4 * 4 * lora_params(model_config, r, modules),
+        activations=rows * row_tokens * activation_bytes_per_token(model_config, dtype_bytes,
+                                                                     cfg.learner.gradient_checkpointing),
+        logits=rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES,
+        kv_cache=kv, rows=rows, row_tokens=row_tokens)
+
+
+def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
+    """Refuse, with one line and before anything is written, a run whose learner is expected to
+    need more memory than its device has free (vLLM beside it on one GPU: vLLM's budget decides)."""
+    import torch
+
+    from agentrl.models import pick_device
+    from agentrl.sampling.kv import available_memory_bytes
+
+    device = cfg.learner.device or pick_device(cfg.model.device)
+    if cfg.sampling.backend != "hf" and device == pick_device(cfg.model.device):
+        return None
+    m = learner_memory(cfg, t_max)
+    free = available_memory_bytes(torch.device(device)) - (RESERVE_BYTES if not str(device).startswith("cuda") else 0)
+    if m.total <= free:
+        return m
+    gc = cfg.learner.gradient_checkpointing
+    per_row = m.activations // m.rows + m.logits // m.rows
+    hints = []
+    if m.rows > 1:
+        hints.append(f"a smaller learner.micro_batch (each row ~{_gb(per_row)} GB; the gradient is the same)")
+    if not gc:
+        hints.append("learner.gradient_checkpointing: true (activations ~1/8, a second forward's compute)")
+    hints.append("a shorter env.max_steps" + (" or prompt.history" if not cfg.prompt.history else ""))
+    raise UserError(
+        f"train's learner: {m.rows} {'row' if m.rows == 1 else 'rows'} x ~{m.row_tokens} tokens per micro-batch need "
+        f"~{_gb(m.activations + m.logits)} GB of activations, ~{_gb(m.total)} GB with the model and LoRA state"
+        + f", over the {_gb(max(0, free))} GB free on {device}; try " + ", or ".join(hints))
