@@ -116,7 +116,7 @@ def test_train_refuses_a_run_directory_in_use(tmp_path):
     (run / "metrics.jsonl").write_text('{"kind": "iteration", "iteration": 1}\n')
     assert_clean_error(agentrl("train", "--out", str(run)), r"already holds a run; continue it with --resume")
     assert_clean_error(agentrl("train", "--resume", str(run)), r"cannot resume .*no config.yaml")
-    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb and --sampler-batch-size may change")
+    assert_clean_error(agentrl("train", "--resume", str(run), "--lr", "0.1"), r"only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb, --sampler-batch-size, --micro-batch and --gradient-checkpointing may change")
     assert (run / "metrics.jsonl").read_text() == '{"kind": "iteration", "iteration": 1}\n'
 
 
@@ -270,7 +270,7 @@ def test_a_run_whose_learner_cannot_fit_is_refused_up_front(tmp_path):
                    "--kv-budget-gb", "1000")
     assert_clean_error(proc, r"train's learner: 128 rows x ~\d+ tokens per micro-batch need ~[\d.]+ GB of activations, "
                              r"~[\d.]+ GB with the model and LoRA state, over the [\d.]+ GB free on cpu; try a smaller "
-                             r"learner.micro_batch .*learner.gradient_checkpointing: true")
+                             r"learner.micro_batch \(--micro-batch; .*learner.gradient_checkpointing: true \(--gradient-checkpointing;")
     assert not out.exists()
 
 

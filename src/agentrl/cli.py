@@ -351,6 +351,8 @@ def train_cmd(
     sampler_replicas: SamplerReplicasOpt = None,
     kv_budget_gb: KVBudgetOpt = None,
     sampler_batch_size: Annotated[Optional[int], typer.Option(help="Trajectories per sampler forward (the live ones are chunked); lower it when one chunk cannot fit the KV budget.")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option(help="Learner rows per forward/backward (the gradient is the same; lower it when the learner cannot fit).")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute each layer in backward: about 1/8 of the learner's activations for a second forward's compute.")] = None,
     sampler_device: Annotated[Optional[str], typer.Option(help="Device of the sampler (e.g. cuda:0; default auto).")] = None,
     learner_device: Annotated[Optional[str], typer.Option(help="Device of the learner (e.g. cuda:1: the learner gets its own process).")] = None,
     colocate: Annotated[bool, typer.Option("--colocate", help="Sampler and learner in one process (one device).")] = False,
@@ -379,15 +381,18 @@ def train_cmd(
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers, "cluster.ray_address": ray_address,
         "sampling.replicas": sampler_replicas, "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
         "sampling.kv_budget_gb": kv_budget_gb, "sampling.batch_size": sampler_batch_size,
+        "learner.micro_batch": micro_batch, "learner.gradient_checkpointing": gradient_checkpointing,
     }
     if off_policy is not None:
         return offpolicy_cmd(load_config(config, overrides), off_policy, out, steps, groups_per_step, positions, ab, force)
     if resume is not None:
         may_change = ("train.iterations", "model.device", "learner.device", "train.layout", "env.workers", "cluster.ray_address",
-                      "sampling.replicas", "sampling.kv_budget_gb", "sampling.batch_size")
+                      "sampling.replicas", "sampling.kv_budget_gb", "sampling.batch_size",
+                      "learner.micro_batch", "learner.gradient_checkpointing")  # memory, not the gradient
         changed = [k for k, v in overrides.items() if v is not None and k not in may_change]
         if changed or config or out:
-            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb and --sampler-batch-size "
+            raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb, --sampler-batch-size, "
+                            "--micro-batch and --gradient-checkpointing "
                             f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
         run = resume
         cfg = prepare_run(resume, None, resume=True, force=False, overrides={k: overrides[k] for k in may_change})

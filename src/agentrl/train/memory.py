@@ -132,9 +132,9 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     per_row = m.activations // m.rows + m.logits // m.rows
     hints = []
     if m.rows > 1:
-        hints.append(f"a smaller learner.micro_batch (each row ~{_gb(per_row)} GB; the gradient is the same)")
+        hints.append(f"a smaller learner.micro_batch (--micro-batch; each row ~{_gb(per_row)} GB, the gradient is the same)")
     if not gc:
-        hints.append("learner.gradient_checkpointing: true (activations ~1/8, a second forward's compute)")
+        hints.append("learner.gradient_checkpointing: true (--gradient-checkpointing; activations ~1/8, a second forward's compute)")
     hints.append("a shorter env.max_steps" + (" or prompt.history" if not cfg.prompt.history else ""))
     raise UserError(
         f"train's learner: {m.rows} {'row' if m.rows == 1 else 'rows'} x ~{m.row_tokens} tokens per micro-batch need "
