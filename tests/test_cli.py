@@ -288,8 +288,9 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
     bar = LineProgress(TextColumn("{task.description}"), console=Console(file=buf, force_terminal=False))
     bar.every_s = 0.2
     with bar:
-        task = bar.add_task("loading", total=None, info="")
-        bar.update(task, description="train", completed=0, total=None, info="")
+        task = bar.add_task("rollout", total=3, info="")
+        bar.update(task, completed=3)  # a phase that completed (rich marks the task finished) ...
+        bar.update(task, description="train", completed=0, total=None, info="")  # ... then the update, no total
         time.sleep(0.9)  # no update() in between, as during an update
     printed = len(buf.getvalue().splitlines())
     lines = [ln for ln in buf.getvalue().splitlines() if ln.startswith("train  0")]

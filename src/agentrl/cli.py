@@ -97,7 +97,9 @@ class LineProgress(Progress):
         while not self._stopped.wait(self.every_s / 10):
             with self._lock:
                 for task in list(self._tasks.values()):
-                    if not task.finished:
+                    # not `task.finished`: rich keeps that set once a phase completed, and a task here is
+                    # reused for the next phase (rollout 30/30, then the update with no total)
+                    if task.total is None or task.completed < task.total:
                         self._line(task)
 
     def update(self, task_id, **kwargs) -> None:
