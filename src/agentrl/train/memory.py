@@ -115,14 +115,18 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
 
 def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     """Refuse, with one line and before anything is written, a run whose learner is expected to
-    need more memory than its device has free (vLLM beside it on one GPU: vLLM's budget decides)."""
+    need more memory than its device has free (ALFWorld runs; vLLM beside it on one GPU: vLLM's budget decides)."""
     import torch
 
     from agentrl.models import pick_device
     from agentrl.sampling.kv import available_memory_bytes
 
     device = cfg.learner.device or pick_device(cfg.model.device)
+    if cfg.env.kind != "alfworld":  # the expected episode length is ALFWorld's (as the KV check's)
+        return None
     if cfg.sampling.backend != "hf" and device == pick_device(cfg.model.device):
+        return None
+    if str(device).startswith("cuda") and not torch.cuda.is_available():  # the device check that follows says so
         return None
     m = learner_memory(cfg, t_max)
     free = available_memory_bytes(torch.device(device)) - (RESERVE_BYTES if not str(device).startswith("cuda") else 0)
