@@ -136,12 +136,12 @@ def test_env_workers_auto_is_one_per_available_core(tmp_path):
     assert env_workers(load_config(write(tmp_path, "env:\n  workers: 3\n")).env.workers) == 3
 
 
-def test_env_overlap_auto_is_on_for_gpu_samplers_only(tmp_path):
+def test_env_overlap_auto_is_on_for_the_vllm_sampler_only(tmp_path):
     from agentrl.env import env_overlap
 
     assert load_config().env.overlap == "auto"
     assert env_overlap(load_config(None, {"model.device": "cpu"})) is False  # CPU: one full batch decodes faster
-    assert env_overlap(load_config(None, {"model.device": "cuda:0"})) is True
+    assert env_overlap(load_config(None, {"model.device": "cuda:0"})) is False  # hf on a GPU: the decode loop dominates
     assert env_overlap(load_config(None, {"sampling.backend": "vllm"})) is True
     assert env_overlap(load_config(write(tmp_path, "env:\n  overlap: true\n"), {"model.device": "cpu"})) is True
     with pytest.raises(UserError, match="env.overlap must be auto, true or false"):

@@ -51,9 +51,9 @@ class EnvConfig:
     max_steps: int = 30  # T_max; an invalid action still counts
     fuzzy_threshold: float = 85.0  # rapidfuzz ratio (0-100) needed to map an action to an admissible command
     workers: int | str = "auto"  # env worker processes: auto (one per available core; 0 for synthetic) | N | 0 (in-process)
-    # with workers: generate for one wave of groups while the workers step the other. auto: on when
-    # the sampler runs on a GPU; off on CPU, where two half batches decode slower than one and the
-    # workers take the cores torch would use (README: measured)
+    # with workers: generate for one wave of groups while the workers step the other. auto: on for
+    # vLLM only; off for the hf sampler, whose two half-batch decode loops cost more than the env
+    # work they hide, on a CPU and on a GPU (docs/measurements.md)
     overlap: bool | str = "auto"
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
