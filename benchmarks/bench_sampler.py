@@ -15,7 +15,9 @@ last turn a sampler with `release(keys)` is told the row ended.
 Prompts are rendered as ModelPolicy renders them with configs/default.yaml's prompt settings.
 
 Engines (--engines):
-  new       agentrl.sampling.hf.HFSampler (the slot KV engine)
+  new       agentrl.sampling.hf.HFSampler (the slot KV engine; a LoRA adapter merged into its weights)
+  unmerged  the same engine serving the adapter through PEFT's LoRA layers (`merge_adapter=False`):
+            with --adapter, `new,unmerged` measures what merging buys
   previous  the engine it replaced, read from git history (src/agentrl/sampling/hf.py at commit
             813abdf; run from a git checkout): gone from the product, runnable here to compare
   generate  transformers' model.generate on the full prompts each turn (no reuse across turns)
@@ -23,12 +25,12 @@ Each engine runs in its own subprocess, so peak RSS (and on CUDA the peak alloca
 is its own. Printed: s per lockstep step, generated tokens/s, peak RSS, KV (one fp32 copy of
 every token of every row at its final length: sum(final lengths) x 2 x layers x KV heads x
 head_dim x 4 bytes), RSS written as "2 GB + x * KV" (meaningful at scale only; 1 GB = 10^9
-bytes), and the speed-up over `previous`. With --temperature 0 (greedy) also the share of
+bytes), and the speed-up over `previous` (without it: over the last engine listed). With --temperature 0 (greedy) also the share of
 (row, turn) replies with identical token ids between engines; sampled runs differ by design
 (each engine draws its own noise), so only lengths and speeds are compared.
 
 Usage: python benchmarks/bench_sampler.py [--tasks 8] [--group-size 8] [--turns 12]
-           [--engines new,previous,generate] [--temperature 0.7] [--max-new-tokens 24]
+           [--engines new,previous,generate] [--adapter DIR] [--temperature 0.7] [--max-new-tokens 24]
            [--batch-size 64] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
            [--out runs/bench_sampler/results.json]
 (ALFWORLD_DATA must point at the ALFWorld data; the default model must be prepared:
@@ -49,7 +51,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ENGINES = ("new", "previous", "generate")
+ENGINES = ("new", "unmerged", "previous", "generate")
 SPLIT = "valid_seen"
 RSS_BASE_GB = 2.0  # the "2 GB" of "RSS = 2 GB + x * KV"
 
@@ -209,10 +211,10 @@ class GenerateSampler:
 
 
 def make_engine(name: str, model, tokenizer, batch_size: int):
-    if name == "new":
+    if name in ("new", "unmerged"):
         from agentrl.sampling.hf import HFSampler
 
-        return HFSampler(model, tokenizer, batch_size=batch_size)
+        return HFSampler(model, tokenizer, batch_size=batch_size, merge_adapter=name == "new")
     if name == "previous":
         return previous_engine()(model, tokenizer, batch_size=batch_size)
     return GenerateSampler(model, tokenizer, batch_size=batch_size)
@@ -267,6 +269,10 @@ def run_child(args) -> None:
     model, tok = load_model("default", dtype, device)
     load_s = time.perf_counter() - t0
     sampler = make_engine(args.child, model, tok, args.batch_size)
+    if args.adapter:
+        if not hasattr(sampler, "load_adapter"):
+            raise BenchError(f"--adapter: the {args.child} engine cannot load an adapter")
+        sampler.load_adapter(args.adapter, version=1)
     renderer, messages, cfg = prompt_builder(tok)
     params = SamplingParams(args.temperature, 1.0, args.max_new_tokens)
     cuda = device.startswith("cuda")
@@ -370,6 +376,8 @@ def run_engine(engine: str, args, workload: Path, out_dir: Path) -> dict:
            "--workload", str(workload), "--tasks", str(args.tasks), "--group-size", str(args.group_size),
            "--turns", str(args.turns), "--temperature", str(args.temperature), "--max-new-tokens",
            str(args.max_new_tokens), "--batch-size", str(args.batch_size), "--device", args.device, "--dtype", args.dtype]
+    if args.adapter:
+        cmd += ["--adapter", args.adapter]
     print(f"running {engine} ... ", end="", flush=True)
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -399,10 +407,11 @@ def report(args, results: dict[str, dict], per_token: int) -> dict:
     ok = {e: r for e, r in results.items() if "error" not in r}
     summary: dict[str, dict] = {}
     cuda = any(str(r.get("device", "")).startswith("cuda") for r in ok.values())
-    prev = ok.get("previous")
+    base = "previous" if "previous" in ok else (list(ok)[-1] if ok else None)  # the ratios' reference
+    prev = ok.get(base)
     prev_step = sum(prev["turn_s"]) / len(prev["turn_s"]) if prev and prev["turn_s"] else None
     head = (f"{'engine':<9} | {'s/step':>7} | {'gen tok/s':>9} | {'peak RSS GB':>11} | {'KV GB':>7} | "
-            f"{'RSS = 2 GB + x * KV':>20} | " + (f"{'GPU peak GB':>11} | " if cuda else "") + "speed-up vs previous")
+            f"{'RSS = 2 GB + x * KV':>20} | " + (f"{'GPU peak GB':>11} | " if cuda else "") + f"speed-up vs {base}")
     print("\n" + head)
     print("-" * len(head))
     for engine in args.engines:
@@ -418,7 +427,7 @@ def report(args, results: dict[str, dict], per_token: int) -> dict:
         gpu = r["cuda_peak_bytes"] / 1e9 if r.get("cuda_peak_bytes") is not None else None
         speedup = prev_step / step if prev_step and step else None
         summary[engine] = {"s_per_step": step, "tokens_per_s": tps, "peak_rss_gb": rss, "kv_gb": kv,
-                           "rss_x_kv": x, "gpu_peak_gb": gpu, "speedup_vs_previous": speedup}
+                           "rss_x_kv": x, "gpu_peak_gb": gpu, f"speedup_vs_{base}": speedup}
         print(f"{engine:<9} | {step:7.3f} | {tps:9.1f} | {rss:11.2f} | {kv:7.3f} | {f'2 GB + {x:.1f} x KV':>20} | "
               + (f"{gpu:11.2f} | " if cuda else "") + (f"{speedup:.2f}x" if speedup else "-"))
 
@@ -502,6 +511,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="auto: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--adapter", default=None, help="a LoRA adapter every engine serves (e.g. a warm start)")
     ap.add_argument("--out", default="runs/bench_sampler/results.json")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)

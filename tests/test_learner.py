@@ -88,6 +88,56 @@ def test_adapter_round_trip_and_hot_swap(tiny_model, tokenizer, trajectories, tm
     assert out[0].adapter_version == 2
 
 
+def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactly(tiny_model, tokenizer, trajectories, tmp_path):
+    """The hf sampler merges the adapter into its weights (fewer ops per token): it samples what the
+    unmerged LoRA samples, and hot-swaps leave no rounding behind (the base is copied back)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agentrl.errors import UserError
+
+    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-2))
+    learner.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
+    v1 = learner.save_adapter(tmp_path / "adapters")
+    learner.update([(trajectories[0], 1.0), (trajectories[2], -1.0)])
+    v2 = learner.save_adapter(tmp_path / "adapters")
+
+    merged = HFSampler(copy.deepcopy(tiny_model), tokenizer)
+    unmerged = HFSampler(copy.deepcopy(tiny_model), tokenizer, merge_adapter=False)
+    merged.load_adapter(str(v1), version=1)
+    weights = lambda s: {n: p.detach().clone() for n, p in s.model.named_parameters() if "lora_" not in n}  # noqa: E731
+    at_v1 = weights(merged)
+    merged.load_adapter(str(v2), version=2)
+    unmerged.load_adapter(str(v2), version=2)
+    layers = merged._lora_layers()
+    assert layers and all(m.merged for _, m in layers) and not any(m.merged for _, m in unmerged._lora_layers())
+    assert any(not torch.equal(p, at_v1[n]) for n, p in weights(merged).items())  # v2 is not v1
+
+    prompts = [trajectories[0].token_ids[:5], trajectories[1].token_ids[:7]]
+    for params in (SamplingParams(0.0, 1.0, 6), SamplingParams(1.0, 1.0, 6)):
+        a = merged.generate(prompts, params, seeds=[4, 5])
+        b = unmerged.generate(prompts, params, seeds=[4, 5])
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    with torch.no_grad():  # and it scores what the learner trains (its unmerged LoRA)
+        ids = torch.tensor([trajectories[0].token_ids])
+        assert torch.allclose(merged.model(input_ids=ids).logits, learner.model(input_ids=ids).logits, atol=1e-5)
+
+    for _ in range(3):  # v1 -> v2 -> v1 ...: the weights at v1 are those of the first load, bit for bit
+        merged.load_adapter(str(v2), version=2)
+        merged.load_adapter(str(v1), version=1)
+    assert all(torch.equal(p, at_v1[n]) for n, p in weights(merged).items())
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+    get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "other")
+    with pytest.raises(UserError, match="does not fit the base model"):
+        merged.load_adapter(str(tmp_path / "other"), version=3)
+    assert merged.adapter_version == 1 and all(m.merged for _, m in merged._lora_layers() if "v1" in m.lora_A)
+    assert all(torch.equal(p, at_v1[n]) for n, p in weights(merged).items())  # a failed load changes nothing
+
+
 def test_zero_advantage_trajectories_cost_nothing_and_change_nothing(tiny_model, trajectories):
     """A = 0 contributes exactly zero gradient: such trajectories skip the forward pass, and a
     batch of only A = 0 (zero-variance groups) makes no optimizer step at all."""

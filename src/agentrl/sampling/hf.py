@@ -15,10 +15,16 @@ log-prob of every generated token, and KV reuse across the turns of a trajectory
 - Sampling is batched and reproducible per row: each row draws one uniform per token from a
   counter-based hash of (its seed, the token's index) and inverts its own CDF, so a row's
   tokens depend on its seed and its own logits only, never on its neighbours in the batch.
+- The adapter is merged into the sampler's weights (PEFT's merge): an unmerged LoRA on the seven
+  projections nearly doubles the ops a forward dispatches (the default model with an r 32
+  adapter: 13.2k vs 7.1k aten calls, nested ones included), and dispatch is what bounds the
+  loop on a GPU. A hot-swap copies the saved base weights back before the next merge, so swaps
+  never accumulate rounding.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -26,6 +32,8 @@ import torch
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, SamplingParams
 from agentrl.sampling.kv import SlotStore, kv_budget_bytes, servable_length, use_slot_attention
+
+log = logging.getLogger(__name__)
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
@@ -40,7 +48,7 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
 
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
-                 kv_budget_gb: float | str | None = "auto", sync_every: int | None = None):
+                 kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -49,6 +57,9 @@ class HFSampler:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
+        self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
+        self._merged = False
+        self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge
         param = next(model.parameters())
         self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device))
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
@@ -85,6 +96,7 @@ class HFSampler:
         if not (p / "adapter_config.json").is_file():
             raise UserError(f"adapter directory {p} has no adapter_config.json (not a PEFT adapter)")
         name = f"v{version if version is not None else 0}"
+        self._unmerge()
         try:
             if isinstance(self.model, PeftModel):
                 previous = self.model.active_adapter
@@ -97,11 +109,53 @@ class HFSampler:
             else:
                 self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as e:
+            self._merge()  # the previous adapter stays, as it was served
             first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
             raise UserError(f"adapter {p} does not fit the base model: {first}") from None
+        self._merge()
         self.model.eval()
         self.adapter_version = version
         self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
+
+    def _lora_layers(self) -> list:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if not isinstance(self.model, PeftModel):
+            return []
+        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+    def _merge(self) -> None:
+        """Merge the active adapter into the base weights (saving each layer's base weight first).
+        An adapter PEFT cannot merge is served through its LoRA layers, as before."""
+        layers = self._lora_layers()
+        if not self.merge_adapter or self._merged or not layers:
+            return
+        for n, m in layers:
+            if n not in self._base_weights:
+                self._base_weights[n] = m.get_base_layer().weight.detach().clone()
+        try:
+            self.model.merge_adapter()
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            self._restore(layers)
+            log.warning("serving the adapter unmerged (PEFT cannot merge it: %s)", str(e).strip().splitlines()[0])
+            return
+        self._merged = True
+
+    def _unmerge(self) -> None:
+        """Back to the base weights, exactly: PEFT's unmerge subtracts the delta again (in bf16 that
+        rounds, and swaps would accumulate it), so the saved weights are copied back over."""
+        if self._merged:
+            self._restore(self._lora_layers())
+            self._merged = False
+
+    def _restore(self, layers) -> None:
+        with torch.no_grad():
+            for n, m in layers:
+                if m.merged:
+                    m.unmerge()  # PEFT's bookkeeping (its merged_adapters); the weight is then set exactly
+                if n in self._base_weights:
+                    m.get_base_layer().weight.copy_(self._base_weights[n])
 
     def release(self, keys) -> None:
         """The sequences named by `keys` are over: their slots are free for the next ones."""
