@@ -59,7 +59,7 @@ class HFSampler:
         self.adapter_version: int | None = None
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
         self._merged = False
-        self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge
+        self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
         param = next(model.parameters())
         self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device))
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
@@ -133,7 +133,8 @@ class HFSampler:
             return
         for n, m in layers:
             if n not in self._base_weights:
-                self._base_weights[n] = m.get_base_layer().weight.detach().clone()
+                # kept in host memory: on a GPU the copy would take room the KV budget counted on
+                self._base_weights[n] = m.get_base_layer().weight.detach().to("cpu", copy=True)
         try:
             self.model.merge_adapter()
         except (ValueError, RuntimeError, NotImplementedError) as e:
