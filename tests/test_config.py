@@ -46,6 +46,7 @@ def test_malformed_yaml_is_one_clear_line(tmp_path):
         ("env: 3\n", "must be a mapping"),
         ("env:\n  workers: many\n", "env.workers must be auto or a number >= 0"),
         ("env:\n  workers: -1\n", "env.workers must be auto or a number >= 0"),
+        ("sampling:\n  merge_adapter: sometimes\n", "sampling.merge_adapter must be bool"),
     ],
 )
 def test_bad_values_are_refused(tmp_path, text, message):

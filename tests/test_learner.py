@@ -102,8 +102,11 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
     learner.update([(trajectories[0], 1.0), (trajectories[2], -1.0)])
     v2 = learner.save_adapter(tmp_path / "adapters")
 
+    from agentrl.config import load_config
+
     merged = HFSampler(copy.deepcopy(tiny_model), tokenizer)
-    unmerged = HFSampler(copy.deepcopy(tiny_model), tokenizer, merge_adapter=False)
+    unmerged = HFSampler.from_config(load_config(None, {"sampling.merge_adapter": False}), copy.deepcopy(tiny_model), tokenizer)
+    assert merged.merge_adapter and not unmerged.merge_adapter
     merged.load_adapter(str(v1), version=1)
     weights = lambda s: {n: p.detach().clone() for n, p in s.model.named_parameters() if "lora_" not in n}  # noqa: E731
     at_v1 = weights(merged)

@@ -79,7 +79,7 @@ class HFSampler:
 
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
-                   kv_budget_gb=cfg.sampling.kv_budget_gb)
+                   kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter)
 
     @property
     def device(self) -> torch.device:
