@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from agentrl.models import load_model
 from agentrl.sampling.hf import HFSampler
+from agentrl.sampling.kv import TYPICAL_FIRST_OBSERVATION
 from agentrl.sampling.base import SamplingParams
 from agentrl.train.loss import token_logprobs
 from agentrl.prompt import ChatRenderer
@@ -21,14 +22,13 @@ from agentrl.config import load_config
 from agentrl.env import prompt_messages
 from peft import PeftModel
 
-adapter = sys.argv[1]; dtype = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+adapter = sys.argv[1]
+dtype = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
 base, tok = load_model("default", dtype, "cpu")
 cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "learning.yaml")
 msgs = prompt_messages(cfg.env.kind, cfg.prompt)
 r = ChatRenderer(tok)
-obs = ("You are in the middle of a room. Looking quickly around you, you see a cabinet 6, a cabinet 5, a cabinet 4, "
-       "a cabinet 3, a cabinet 2, a cabinet 1, a coffeemachine 1, a countertop 3, a countertop 2, a countertop 1, "
-       "a drawer 3, a drawer 2, a drawer 1, a fridge 1, a garbagecan 1, a microwave 1, a sinkbasin 1.\n\nYour task is to: ")
+obs = TYPICAL_FIRST_OBSERVATION.split("Your task is to:")[0] + "Your task is to: "
 tasks = ["put a clean mug in coffeemachine.", "heat some egg and put it in countertop.", "look at bowl under the desklamp.",
          "put two cellphone in bed.", "cool some apple and put it in fridge.", "put a knife in drawer."]
 prompts = [r.initial(msgs("pick_and_place_simple", obs + t, None)) for t in tasks for _ in range(4)]
@@ -43,5 +43,6 @@ for merge in (True, False):
         with torch.no_grad():
             lp = token_logprobs(learner, ids, torch.ones_like(ids))[0]
         mine = lp[len(p): len(p) + len(c.token_ids)].float()
-        gaps += float((mine - torch.tensor(c.logprobs)).abs().sum()); n += len(c.token_ids)
+        gaps += float((mine - torch.tensor(c.logprobs)).abs().sum())
+        n += len(c.token_ids)
     print(f"{dtype} {'merged' if merge else 'unmerged'}: mean |sampler - learner| log-prob per token = {gaps / n:.2e} over {n} tokens", flush=True)

@@ -427,7 +427,7 @@ def report(args, results: dict[str, dict], per_token: int) -> dict:
         gpu = r["cuda_peak_bytes"] / 1e9 if r.get("cuda_peak_bytes") is not None else None
         speedup = prev_step / step if prev_step and step else None
         summary[engine] = {"s_per_step": step, "tokens_per_s": tps, "peak_rss_gb": rss, "kv_gb": kv,
-                           "rss_x_kv": x, "gpu_peak_gb": gpu, f"speedup_vs_{base}": speedup}
+                           "rss_x_kv": x, "gpu_peak_gb": gpu, "speedup": speedup, "speedup_over": base}
         print(f"{engine:<9} | {step:7.3f} | {tps:9.1f} | {rss:11.2f} | {kv:7.3f} | {f'2 GB + {x:.1f} x KV':>20} | "
               + (f"{gpu:11.2f} | " if cuda else "") + (f"{speedup:.2f}x" if speedup else "-"))
 

@@ -94,6 +94,7 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from agentrl.config import load_config
     from agentrl.errors import UserError
 
     learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-2))
@@ -101,8 +102,6 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
     v1 = learner.save_adapter(tmp_path / "adapters")
     learner.update([(trajectories[0], 1.0), (trajectories[2], -1.0)])
     v2 = learner.save_adapter(tmp_path / "adapters")
-
-    from agentrl.config import load_config
 
     merged = HFSampler(copy.deepcopy(tiny_model), tokenizer)
     unmerged = HFSampler.from_config(load_config(None, {"sampling.merge_adapter": False}), copy.deepcopy(tiny_model), tokenizer)

@@ -58,7 +58,6 @@ class HFSampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
-        self._merged = False
         self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
         param = next(model.parameters())
         self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device))
@@ -129,7 +128,7 @@ class HFSampler:
         """Merge the active adapter into the base weights (saving each layer's base weight first).
         An adapter PEFT cannot merge is served through its LoRA layers, as before."""
         layers = self._lora_layers()
-        if not self.merge_adapter or self._merged or not layers:
+        if not self.merge_adapter or not layers or any(m.merged for _, m in layers):
             return
         for n, m in layers:
             if n not in self._base_weights:
@@ -140,15 +139,13 @@ class HFSampler:
         except (ValueError, RuntimeError, NotImplementedError) as e:
             self._restore(layers)
             log.warning("serving the adapter unmerged (PEFT cannot merge it: %s)", str(e).strip().splitlines()[0])
-            return
-        self._merged = True
 
     def _unmerge(self) -> None:
         """Back to the base weights, exactly: PEFT's unmerge subtracts the delta again (in bf16 that
         rounds, and swaps would accumulate it), so the saved weights are copied back over."""
-        if self._merged:
-            self._restore(self._lora_layers())
-            self._merged = False
+        layers = self._lora_layers()
+        if any(m.merged for _, m in layers):
+            self._restore(layers)
 
     def _restore(self, layers) -> None:
         with torch.no_grad():

@@ -431,18 +431,22 @@ def _gb(n) -> str:
 # ---------------------------------------------------------------- the plan before a run
 
 
+# an ALFWorld opening of typical length (a kitchen), for estimates made before any game is loaded
+TYPICAL_FIRST_OBSERVATION = (
+    "You are in the middle of a room. Looking quickly around you, you see a cabinet 6, a cabinet 5, a cabinet 4, "
+    "a cabinet 3, a cabinet 2, a cabinet 1, a coffeemachine 1, a countertop 3, a countertop 2, a countertop 1, "
+    "a drawer 3, a drawer 2, a drawer 1, a fridge 1, a garbagecan 1, a microwave 1, a sinkbasin 1, a stoveburner 4, "
+    "a stoveburner 3, a stoveburner 2, a stoveburner 1, and a toaster 1.\n\nYour task is to: put a clean mug in "
+    "coffeemachine.")
+
+
 def expected_context_tokens(cfg, max_steps: int, tokenizer) -> int:
     """Tokens one trajectory is expected to hold at its end: the rendered opening prompt (the run's
     prompt settings, a typical first observation) plus TOKENS_PER_STEP per step and one reply's room."""
     from agentrl.env import prompt_messages
     from agentrl.prompt import ChatRenderer
 
-    first = ("You are in the middle of a room. Looking quickly around you, you see a cabinet 6, a cabinet 5, a cabinet 4, "
-             "a cabinet 3, a cabinet 2, a cabinet 1, a coffeemachine 1, a countertop 3, a countertop 2, a countertop 1, "
-             "a drawer 3, a drawer 2, a drawer 1, a fridge 1, a garbagecan 1, a microwave 1, a sinkbasin 1, a stoveburner 4, "
-             "a stoveburner 3, a stoveburner 2, a stoveburner 1, and a toaster 1.\n\nYour task is to: put a clean mug in "
-             "coffeemachine.")
-    messages = prompt_messages(cfg.env.kind, cfg.prompt)("pick_and_place_simple", first, cfg.prompt.dir)
+    messages = prompt_messages(cfg.env.kind, cfg.prompt)("pick_and_place_simple", TYPICAL_FIRST_OBSERVATION, cfg.prompt.dir)
     opening = len(ChatRenderer(tokenizer).initial(messages))
     return opening + TOKENS_PER_STEP * max_steps + cfg.sampling.max_new_tokens
 
