@@ -135,3 +135,22 @@ def test_a_hung_worker_is_replaced_after_the_timeout(games):
         assert pool.replaced == 1 and pool.pids[0] != hung and not _alive(hung)
         pool.timeout_s = 120.0  # the new worker starts cold too
         assert pool.reset_all([(1, a)])[0] == first
+
+
+def test_a_worker_whose_parent_is_gone_exits_quietly(capfd):
+    """A killed run (kill, Ctrl-C) closes the pipe: the worker ends with exit code 0 and prints no traceback."""
+    import multiprocessing as mp
+
+    from agentrl.env.pool import _worker
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker, args=(child, "synthetic"), daemon=True)
+    proc.start()
+    child.close()
+    parent.send(("reset", []))  # one request answered, then the parent's end goes away
+    assert parent.recv() == []
+    parent.close()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err

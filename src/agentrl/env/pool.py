@@ -49,14 +49,17 @@ def _worker(conn, kind: str) -> None:
 
         warm_up()
     envs: dict[int, object] = {}
-    while True:
-        op, batch = conn.recv()
-        if op == "shutdown":
-            for env in envs.values():
-                env.close()
-            conn.send([])
-            return
-        conn.send(apply_batch(envs, make_env, op, batch))
+    try:
+        while True:
+            op, batch = conn.recv()
+            if op == "shutdown":
+                for env in envs.values():
+                    env.close()
+                conn.send([])
+                return
+            conn.send(apply_batch(envs, make_env, op, batch))
+    except (EOFError, BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
+        return  # the parent is gone (killed, or Ctrl-C reached the whole group): exit quietly, not with a traceback
 
 
 def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
