@@ -253,6 +253,36 @@ def test_kl_to_the_warm_start_is_zero_at_the_start_and_pulls_back(tiny_model, fo
     assert drift[5.0] < drift[0.0]
 
 
+def test_an_adapter_made_on_another_machine_is_saved_with_this_machines_base(tiny_model, tmp_path):
+    """A warm start written on another machine names that machine's base model path; the adapters
+    the learner writes from it name the base it really trains on, and saving looks nothing up
+    (before: PEFT warned 'Could not find a config file in <the other path>' at every checkpoint)."""
+    import json
+    import warnings
+
+    from peft import get_peft_model
+
+    from agentrl.train.learner import lora_config
+
+    base = tmp_path / "base"
+    tiny_model.config.save_pretrained(base)
+    model = copy.deepcopy(tiny_model)
+    model.name_or_path = model.config._name_or_path = str(base)  # as from_pretrained(base) sets them
+    warm = get_peft_model(copy.deepcopy(tiny_model), lora_config(cfg()))
+    warm.save_pretrained(tmp_path / "warm")
+    record = json.loads((tmp_path / "warm" / "adapter_config.json").read_text())
+    record["base_model_name_or_path"] = "/elsewhere/cache/models/SmolLM2-135M-Instruct"
+    (tmp_path / "warm" / "adapter_config.json").write_text(json.dumps(record))
+
+    learner = Learner(model, cfg(), init_adapter=str(tmp_path / "warm"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        learner._write_adapter(tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(base)
+    assert not [w for w in caught if "Could not find a config file" in str(w.message)]
+
+
 def windowed_trajectory(sampler, tokenizer, history, seed, index, steps=4):
     """A multi-turn trajectory sampled the way ModelPolicy samples under prompt.history N: each
     reply from `window(traj, N)` (the opening and the last N turns), the ids kept whole."""

@@ -71,6 +71,11 @@ class Learner:
         self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
         if init_adapter:
             self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
+            # the adapter may come from another machine (a GPU's warm start): record the base this
+            # learner trains on, as get_peft_model does, not the path it was made on (PEFT looks it
+            # up, on the Hub too, at every save)
+            for adapter_config in self.model.peft_config.values():
+                adapter_config.base_model_name_or_path = model.name_or_path
         else:
             self.model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
