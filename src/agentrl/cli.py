@@ -114,10 +114,19 @@ class LineProgress(Progress):
             task._agentrl_printed = now  # the first line comes a minute in: short work prints nothing
         elif now - last >= self.every_s:
             task._agentrl_printed = now
-            done = f"{task.completed:.0f}" + (f"/{task.total:.0f}" if task.total is not None else "")
-            info = task.fields.get("info", "")
-            self.console.print(f"{task.description}  {done}  {info}  {time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed",
-                               markup=False, highlight=False)
+            done = f"{task.completed:.0f}/{task.total:.0f}" if task.total is not None else ""  # no count where none is kept
+            parts = (task.description, done, task.fields.get("info", ""),
+                     f"{time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed")
+            self.console.print("  ".join(x for x in parts if x), markup=False, highlight=False)
+
+
+def start_phase(bar: Progress, task, description: str, total: float | None = None) -> None:
+    """Turn the bar's task into the next phase. rich's `update` keeps the old total when given
+    None, so a phase without one (the learner's update) would read as the last one's "0/30"."""
+    bar.update(task, description=description, completed=0, info="")
+    for t in bar.tasks:
+        if t.id == task:
+            t.total = total
 
 
 def progress_bar() -> Progress:
@@ -432,7 +441,7 @@ def train_cmd(
         task = bar.add_task("loading models and games", total=None, info="")
 
         def phase(name: str, total=None) -> None:
-            bar.update(task, description=name, completed=0, total=total, info="")
+            start_phase(bar, task, name, total)
 
         def step(n: int, trajs) -> None:
             live, won = sum(not t.done for t in trajs), sum(t.won for t in trajs)
@@ -487,7 +496,7 @@ def sft_cmd(
         def phase(name: str, total=None) -> None:
             label = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs",
                      "train": "training"}.get(name, name)
-            bar.update(task, description=label, completed=0, total=total if name == "train" else None, info="")
+            start_phase(bar, task, label, total if name == "train" else None)
 
         def advance(n=1, **info) -> None:
             bar.update(task, advance=n, info=f"nll {info['nll']:.3f}" if "nll" in info else "")
