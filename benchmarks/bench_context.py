@@ -25,22 +25,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
-def replay(eval_dir: Path) -> tuple[dict, np.ndarray]:
-    """(the eval's summary, one row per episode: opening tokens, final tokens, steps)."""
-    from agentrl.config import load_config
+def replay(eval_dir: Path, summary: dict, cfg, tokenizer) -> np.ndarray:
+    """One row per episode of the eval: opening tokens, final tokens, steps."""
     from agentrl.env import find_games, prompt_messages
     from agentrl.env.alfworld import AlfworldEnv
-    from agentrl.models import load_tokenizer
     from agentrl.prompt import ChatRenderer, with_admissible
 
-    summary = json.loads((eval_dir / "summary.json").read_text())
-    cfg = load_config(None)
-    for k, v in (summary.get("prompt") or {}).items():
-        setattr(cfg.prompt, k, v)
-    if cfg.prompt.history:
-        raise SystemExit(f"{eval_dir}: prompt.history {cfg.prompt.history} keeps a window, not the whole episode; "
-                         "this replay measures whole-episode contexts")
-    tokenizer = load_tokenizer(summary.get("model") or "default", False)
     renderer = ChatRenderer(tokenizer)
     messages = prompt_messages("alfworld", cfg.prompt)
     shown = (lambda s: with_admissible(s.observation, s.admissible)) if cfg.prompt.admissible else (lambda s: s.observation)
@@ -58,7 +48,7 @@ def replay(eval_dir: Path) -> tuple[dict, np.ndarray]:
             n += len(renderer.encode(reply)) + len(renderer.end_of_turn_ids) + len(renderer.observation(shown(state), True))
         env.close()
         rows.append((opening, n, len(e["actions"])))
-    return summary, np.array(rows, dtype=float)
+    return np.array(rows, dtype=float)
 
 
 def main() -> None:
@@ -79,14 +69,18 @@ def main() -> None:
         kv_bytes_per_token,
     )
 
-    summary, a = replay(args.eval_dir)
+    summary = json.loads((args.eval_dir / "summary.json").read_text())
+    cfg = load_config(None)
+    for k, v in (summary.get("prompt") or {}).items():  # the eval's prompt settings
+        setattr(cfg.prompt, k, v)
+    if cfg.prompt.history:
+        raise SystemExit(f"{args.eval_dir}: prompt.history {cfg.prompt.history} keeps a window, not the whole episode; "
+                         "this replay measures whole-episode contexts")
+    tokenizer = load_tokenizer(summary.get("model") or "default", False)
+    a = replay(args.eval_dir, summary, cfg, tokenizer)
     opening, final, steps = a[:, 0], a[:, 1], np.maximum(a[:, 2], 1)
     per_step = (final - opening) / steps
-    cfg = load_config(None)
-    for k, v in (summary.get("prompt") or {}).items():
-        setattr(cfg.prompt, k, v)
     max_steps = summary.get("max_steps") or 30
-    tokenizer = load_tokenizer(summary.get("model") or "default", False)
     estimate = expected_context_tokens(cfg, max_steps, tokenizer)
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(resolve_model(summary.get("model") or "default")), torch.float32)
     padded = len(a) * _round_up(int(final.max()), 128) * per_token
