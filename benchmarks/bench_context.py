@@ -1,8 +1,9 @@
 """How long a trajectory's context really grows, next to the KV plan's estimate.
 
-Replays the episodes of an `agentrl eval` output (its recorded actions, on the real games, with
-the eval's prompt settings: no model runs) and renders each trajectory's context as the sampler
-saw it: the opening, then per step the reply and the next observation. Prints the openings, the
+Replays the episodes of an `agentrl eval` output (its recorded replies, on the real games, with
+the eval's prompt settings: no model runs) through the rollout's own path, so each trajectory's
+context is rendered as the sampler saw it: the opening, then per step the reply and the next
+observation, up to the last reply (the last observation is never prefilled). Prints the openings, the
 tokens a step adds (mean, p90, p95, max) and the final contexts, against what the sampler plans
 with before a run (`kv.expected_context_tokens`: a typical opening plus `kv.TOKENS_PER_STEP` a
 step), and what the KV store would hold for all the eval's rows at once: it pads every row to
@@ -26,28 +27,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def replay(eval_dir: Path, summary: dict, cfg, tokenizer) -> np.ndarray:
-    """One row per episode of the eval: opening tokens, final tokens, steps."""
-    from agentrl.env import find_games, prompt_messages
-    from agentrl.env.alfworld import AlfworldEnv
-    from agentrl.prompt import ChatRenderer, with_admissible
+    """One row per episode of the eval: opening tokens, final tokens, steps.
 
-    renderer = ChatRenderer(tokenizer)
-    messages = prompt_messages("alfworld", cfg.prompt)
-    shown = (lambda s: with_admissible(s.observation, s.admissible)) if cfg.prompt.admissible else (lambda s: s.observation)
-    games = {g.game_id: g for g in find_games("alfworld", summary["split"], None)}
-    rows = []
-    for line in (eval_dir / "episodes.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        game = games[e["task_id"]]
-        env = AlfworldEnv(game)
-        state = env.reset()
-        n = opening = len(renderer.initial(messages(game.task_type, shown(state), cfg.prompt.dir)))
-        for reply, action in zip(e["responses"], e["actions"]):
-            state = env.step(action)
-            # the reply, its end-of-turn token, then the observation's turn up to the next assistant header
-            n += len(renderer.encode(reply)) + len(renderer.end_of_turn_ids) + len(renderer.observation(shown(state), True))
-        env.close()
-        rows.append((opening, n, len(e["actions"])))
+    The recorded replies are fed back through the rollout's own path (sft's ExpertSampler taking
+    them verbatim, driving ModelPolicy in run_lockstep on the real games), so the contexts are
+    rendered exactly as the sampler rendered them; only a reply's ids are its text re-tokenised
+    (the sampler's own ids are not recorded). The final context is what the store held when the
+    last reply was generated: the last observation is never prefilled."""
+    from agentrl.env import env_factory, find_games, prompt_options
+    from agentrl.rollout import ModelPolicy, run_lockstep
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.train.sft import ExpertSampler
+
+    episodes = [json.loads(line) for line in (eval_dir / "episodes.jsonl").read_text().splitlines()]
+    by_game = {g.game_id: g for g in find_games("alfworld", summary["split"], None)}
+    replies: dict = {}
+    for e in episodes:  # key (game, trajectory index): what the sampler is asked with
+        replies.setdefault(e["task_id"], {})[e.get("trajectory", 0)] = e
+    group_size = max(len(v) for v in replies.values())
+    games = [by_game[g] for g in replies]
+    sampler = ExpertSampler(tokenizer, {(g, i): tuple(e["responses"]) for g, v in replies.items() for i, e in v.items()},
+                            None)
+    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, **prompt_options(cfg))
+    rollout = run_lockstep(games, policy, max_steps=summary.get("max_steps") or 30, group_size=group_size,
+                           fuzzy_threshold=cfg.env.fuzzy_threshold, make_env=env_factory(cfg.env.kind))
+    rows, differ = [], 0
+    for t in rollout.trajectories:
+        e = replies[t.game.game_id].get(t.index)
+        if e is None:  # fewer samples of this game than of others
+            continue
+        n = len(e["actions"])  # an episode cut short (context_full) replays with empty no-ops after: not counted
+        differ += [s.command if s.valid else s.action for s in t.steps[:n]] != e["actions"]
+        final = t.reply_starts[n - 1] + t.step_tokens[n - 1] if n else len(t.token_ids)
+        rows.append((t.reply_starts[0] if t.reply_starts else len(t.token_ids), final, n))
+    if differ:
+        print(f"warning: {differ} of {len(rows)} replayed episodes took other actions than recorded "
+              "(the games or the fuzzy matching changed since the eval)", file=sys.stderr)
     return np.array(rows, dtype=float)
 
 

@@ -79,6 +79,29 @@ def test_expert_dataset_is_the_rollout_token_for_token(tmp_path, games, tokenize
         assert tokenizer.decode(rendered[len(example.token_ids):]).strip() == ""  # the template's trailing newline
 
 
+def test_recorded_replies_replay_verbatim_by_trajectory(tmp_path, games, tokenizer):
+    """ExpertSampler with reply None (benchmarks/bench_context.py's replay of an eval): the replies
+    are taken verbatim and looked up by the whole key (game, index), so two episodes of one game
+    replay apart. Replies that are the taught ones give the expert data's ids exactly."""
+    from agentrl.env import prompt_options
+    from agentrl.rollout import ModelPolicy, run_lockstep
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.train.sft import ExpertSampler
+
+    cfg = sft_cfg()
+    game = games["pick_and_place_simple"]
+    taught = tuple(f"Action: {c}" for c in game.walkthrough)
+    other = ("Action: look", "I am not sure.") + taught  # episode 1: a no-op and an unparsable reply first
+    sampler = ExpertSampler(tokenizer, {(game.game_id, 0): taught, (game.game_id, 1): other}, None)
+    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, **prompt_options(cfg))
+    rollout = run_lockstep([game], policy, max_steps=len(other), group_size=2)
+    first, second = rollout.trajectories
+    expert = expert_dataset(cfg, [game], tokenizer, envs=None, cache_dir=tmp_path).examples[0]
+    assert first.won and first.token_ids == expert.token_ids
+    assert [s.response for s in second.steps] == list(other) and second.won
+    assert [s.valid for s in second.steps[:2]] == [True, False]
+
+
 @pytest.mark.parametrize("history", [1, 2])
 def test_windowed_expert_data_is_what_the_policy_is_shown_token_for_token(tmp_path, games, tokenizer, history):
     """prompt.history N: one example per walkthrough step, its ids the chat template's rendering of

@@ -46,9 +46,12 @@ class ExpertSampler:
     """The Sampler protocol answered by the walkthrough: row `key = (game_id, index)` gets the
     next expert command of its game as the taught reply, tokenised the way a sampler returns a
     reply (its ids, then the end-of-turn token). Driving the ordinary ModelPolicy with it makes
-    the recorded ids exactly those of a rollout that took the same actions."""
+    the recorded ids exactly those of a rollout that took the same actions.
 
-    def __init__(self, tokenizer, walkthroughs: dict[str, tuple[str, ...]], reply: str):
+    `reply` None: the walkthroughs are whole replies, taken verbatim, and may be keyed by the
+    whole key (game, index): replaying an eval's recorded episodes (benchmarks/bench_context.py)."""
+
+    def __init__(self, tokenizer, walkthroughs: dict, reply: str | None):
         from agentrl.prompt import ChatRenderer
 
         self.tokenizer, self.walkthroughs, self.reply = tokenizer, walkthroughs, reply
@@ -63,11 +66,11 @@ class ExpertSampler:
         for prompt, key in zip(prompts, keys):
             step = self._steps.get(key, 0)
             self._steps[key] = step + 1
-            walkthrough = self.walkthroughs[key[0]]
+            walkthrough = self.walkthroughs[key] if key in self.walkthroughs else self.walkthroughs[key[0]]
             if step >= len(walkthrough):  # the walkthrough is over and the game not won: an empty no-op
                 out.append(Completion(list(prompt), [], [], "", "stop"))
                 continue
-            text = reply_text(walkthrough[step], self.reply)
+            text = walkthrough[step] if self.reply is None else reply_text(walkthrough[step], self.reply)
             ids = list(self.tokenizer(text, add_special_tokens=False).input_ids) + self.end_of_turn
             out.append(Completion(list(prompt), ids, [0.0] * len(ids), text, "stop" if self.end_of_turn else "length"))
         return out
