@@ -25,6 +25,7 @@ Usage:
     python benchmarks/bench_learning.py --work runs/bench-learning                        # configs/learning.yaml (2-core CPU)
     python benchmarks/bench_learning.py --work runs/bench-gpu --config configs/gpu.yaml  # one GPU
     python benchmarks/bench_learning.py --work W --eval-limit 24 --iterations 4           # a smaller reading
+    python benchmarks/bench_learning.py --work W --arms gated,gated-seed1                 # a second seed, paired
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None, help="iterations between curve points (default: the config's train.eval_every)")
     ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all 140 / 134)")
     ap.add_argument("--arms", default="gated,ungated",
-                    help="gated (the config's gate, --gate-audit 0.25), ungated, penalty (gated + --invalid-action-reward)")
+                    help="gated (the config's gate, --gate-audit 0.25), ungated, penalty (gated + --invalid-action-reward); "
+                         "ARM-seedN: that arm with run seed N (a second seed: e.g. gated-seed1)")
     ap.add_argument("--invalid-action", default="-0.01", help="the penalty arm's reward of an invalid reply (verl-agent's 0.1 of 10)")
     ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
@@ -114,6 +116,14 @@ def main() -> None:
     every = args.eval_every or train_cfg.get("eval_every", iterations)
     t_max = (cfg.get("eval") or {}).get("max_steps") or (cfg.get("env") or {}).get("max_steps", 30)
     gate = (cfg.get("rollout") or {}).get("gate", "10,0.12")
+    arms = {"gated": ["--gate", gate, "--gate-audit", args.gate_audit], "ungated": ["--gate", "off", "--gate-audit", "0"]}
+    arms["penalty"] = arms["gated"] + ["--invalid-action-reward", args.invalid_action]
+    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for arm in chosen:  # ARM-seedN: the same arm with another run seed (tasks, sampling)
+        base, _, seed = arm.partition("-seed")
+        if base not in arms or (seed and not seed.isdigit()):
+            sys.exit(f"--arms: unknown arm {arm!r} (gated, ungated, penalty, or one of them with -seedN)")
+        arms[arm] = arms[base] + (["--seed", seed] if seed else [])
     w = args.work
     (w / "eval").mkdir(parents=True, exist_ok=True)
     log = w / "commands.log"
@@ -132,9 +142,6 @@ def main() -> None:
                  "--adapter", str(adapter), "--out", str(out), *common], out / "summary.json", log)
 
     evaluate("warmstart-it0", ws)
-    arms = {"gated": ["--gate", gate, "--gate-audit", args.gate_audit], "ungated": ["--gate", "off", "--gate-audit", "0"]}
-    arms["penalty"] = arms["gated"] + ["--invalid-action-reward", args.invalid_action]
-    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     for arm in chosen:
         out = w / arm
         for target in range(every, iterations + 1, every) if every else [iterations]:
