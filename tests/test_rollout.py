@@ -138,3 +138,22 @@ def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, toke
     for t in rollout.trajectories:
         assert t.stop_reason == "context_full" and 1 <= len(t.steps) < 20
     assert max(seen) + params.max_new_tokens <= sampler.max_model_len
+
+
+def test_replies_cut_at_max_new_tokens_are_counted(games, tokenizer):
+    """A reply that runs into max_new_tokens (no end-of-turn) is counted per trajectory and in the
+    behaviour metrics (the console's "% cut at max_new_tokens"): a policy drifting into junk, such
+    as runs of digits, shows there before success falls. The replies are given verbatim (sft's
+    ExpertSampler), the over-long one cut by the policy as any sampler's."""
+    from agentrl.rollout import ModelPolicy
+    from agentrl.rollout.trajectory import behaviour_metrics
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.train.sft import ExpertSampler
+
+    game = games["pick_and_place_simple"]
+    replies = ("Action: look", "Action: go to shelf 100000000000000000000000000000", "Action: inventory")
+    sampler = ExpertSampler(tokenizer, {game.game_id: replies}, None)
+    rollout = run_lockstep([game], ModelPolicy(sampler, SamplingParams(0.0, 1.0, 12), seed=0), max_steps=3)
+    t = rollout.trajectories[0]
+    assert t.step_tokens[1] == 12 and t.replies_cut == 1 and t.step_tokens[0] < 12 and t.step_tokens[2] < 12
+    assert behaviour_metrics([t])["replies_cut_rate"] == round(1 / 3, 4)

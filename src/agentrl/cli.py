@@ -653,7 +653,9 @@ def num(v, fmt):
 def behaviour(row: dict) -> str:
     """valid-action rate, reply length and episode length of a metrics row."""
     rate = row.get("valid_action_rate")
-    return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok  "
+    cut = row.get("replies_cut_rate")
+    return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok"
+            f"{'' if not cut else f' ({100 * cut:.0f}% cut at max_new_tokens)'}  "
             f"episode {num(row.get('mean_episode_steps'), '.1f')} steps")
 
 

@@ -52,7 +52,7 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": sum(t.stop_reason == "env_error" for t in ts),
-            **{k: v for k, v in behaviour_metrics(ts).items() if k in ("valid_action_rate", "mean_reply_tokens")},
+            **{k: v for k, v in behaviour_metrics(ts).items() if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate")},
         }
 
     return {

@@ -37,6 +37,7 @@ class Trajectory:
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
     reply_starts: list[int] = field(default_factory=list)  # offset in token_ids where each reply begins
     adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
+    replies_cut: int = 0  # replies cut at max_new_tokens (no end-of-turn): a policy drifting into junk shows here first
     # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
     stop_reason: str | None = None  # None while running
     error: str | None = None
@@ -111,7 +112,8 @@ class Trajectory:
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success
-    by task type. Cut or pruned trajectories count for the steps they took."""
+    by task type, and the share of replies cut at max_new_tokens. Cut or pruned trajectories count
+    for the steps they took."""
     steps = [s for t in trajectories for s in t.steps]
     replies = [n for t in trajectories for n in t.step_tokens]
     by_type: dict[str, list[bool]] = {}
@@ -120,6 +122,7 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     return {
         "valid_action_rate": round(sum(s.valid for s in steps) / len(steps), 4) if steps else None,
         "mean_reply_tokens": round(sum(replies) / len(replies), 2) if replies else None,
+        "replies_cut_rate": round(sum(t.replies_cut for t in trajectories) / len(replies), 4) if replies else None,
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
         "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
     }
