@@ -156,4 +156,8 @@ def test_replies_cut_at_max_new_tokens_are_counted(games, tokenizer):
     rollout = run_lockstep([game], ModelPolicy(sampler, SamplingParams(0.0, 1.0, 12), seed=0), max_steps=3)
     t = rollout.trajectories[0]
     assert t.step_tokens[1] == 12 and t.replies_cut == 1 and t.step_tokens[0] < 12 and t.step_tokens[2] < 12
-    assert behaviour_metrics([t])["replies_cut_rate"] == round(1 / 3, 4)
+    metrics = behaviour_metrics([t])
+    assert metrics["replies_cut_rate"] == round(1 / 3, 4)
+    from agentrl.cli import behaviour  # the console line: shown when not 0
+
+    assert "(33% cut at max_new_tokens)" in behaviour(metrics) and "cut" not in behaviour({**metrics, "replies_cut_rate": 0.0})
