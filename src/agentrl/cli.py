@@ -346,6 +346,7 @@ def train_cmd(
     dapo_refill: Annotated[Optional[int], typer.Option(help="Extra rollout rounds to refill the batch after the DAPO filter.")] = None,
     lr: Annotated[Optional[float], typer.Option(help="AdamW learning rate (paper: 5e-5).")] = None,
     loss_agg: Annotated[Optional[str], typer.Option(help="seq-sum | token-mean | seq-mean-token-mean.")] = None,
+    kl_coef: Annotated[Optional[float], typer.Option(help="beta of a KL(policy || warm start) penalty, a mean over action tokens (needs --init-adapter; default 0: off). Under seq-sum, the field's 0.01-0.04 is about that x the action tokens of a trajectory.")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="E: greedy held-out eval every E iterations.")] = None,
     log_to: Annotated[Optional[str], typer.Option(help="Also log to tensorboard and/or wandb (comma-separated); "
                                                          "metrics.jsonl is always written.")] = None,
@@ -388,6 +389,7 @@ def train_cmd(
         "train.advantage": advantage, "advantage.gamma": gamma, "advantage.omega": omega,
         "reward.invalid_action": invalid_action_reward, "train.dapo_filter": dapo_filter, "select.stages": select,
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
+        "learner.kl_coef": kl_coef,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
         "model.device": sampler_device, "learner.device": learner_device, "env.workers": env_workers, "cluster.ray_address": ray_address,
         "sampling.replicas": sampler_replicas, "train.layout": "colocate" if colocate else layout, "train.init_adapter": init_adapter,
