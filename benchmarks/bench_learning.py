@@ -9,7 +9,9 @@ learning curve:
 2. greedy `agentrl eval` of the warm start on all valid_seen and all valid_unseen games
    (T_max of the config's eval)                                          -> W/eval/warmstart-it0/<split>
 3. per arm (default: the config's gate with --gate-audit, and no gate; `penalty`: the gate and
-   an invalid-action reward; `kl`: the gate and KL to the warm start), `agentrl train
+   an invalid-action reward in the return; `penalty-step`: the same in each invalid reply's
+   advantage; `mask-cut`: the gate, replies cut at max_new_tokens out of the loss; `kl`: the gate
+   and KL to the warm start), `agentrl train
    --init-adapter W/warmstart`, in segments of `--eval-every` iterations (`--resume` between
    them); after each segment its checkpoint's adapter (which carries the warm start's prompt)
    is evaluated like the warm start                                      -> W/<arm>, W/eval/<arm>-itN/<split>
@@ -101,9 +103,12 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None, help="iterations between curve points (default: the config's train.eval_every)")
     ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all 140 / 134)")
     ap.add_argument("--arms", default="gated,ungated",
-                    help="gated (the config's gate, --gate-audit 0.25), ungated, penalty (gated + --invalid-action-reward), kl (gated + --kl-coef); "
+                    help="gated (the config's gate, --gate-audit 0.25), ungated, penalty (gated + --invalid-action-reward), "
+                         "penalty-step (the same, --invalid-action-in advantage), mask-cut (gated + --mask-cut-replies), kl (gated + --kl-coef); "
                          "ARM-seedN: that arm with run seed N (a second seed: e.g. gated-seed1)")
     ap.add_argument("--invalid-action", default="-0.01", help="the penalty arm's reward of an invalid reply (verl-agent's 0.1 of 10)")
+    ap.add_argument("--step-penalty", default="-0.5", help="the penalty-step arm's penalty, added to an invalid reply's "
+                                                          "std-normalised advantage (a winner's is about +1 to +2.6 at G 8)")
     ap.add_argument("--kl-coef", default="5", help="the kl arm's beta: a mean over action tokens against seq-sum's per-trajectory "
                                                    "sum of about 250 action tokens, so 5 is about the field's 0.02 (token-mean)")
     ap.add_argument("--gate-audit", default="0.25")
@@ -121,11 +126,13 @@ def main() -> None:
     arms = {"gated": ["--gate", gate, "--gate-audit", args.gate_audit], "ungated": ["--gate", "off", "--gate-audit", "0"]}
     arms["penalty"] = arms["gated"] + ["--invalid-action-reward", args.invalid_action]
     arms["kl"] = arms["gated"] + ["--kl-coef", args.kl_coef]
+    arms["penalty-step"] = arms["gated"] + ["--invalid-action-reward", args.step_penalty, "--invalid-action-in", "advantage"]
+    arms["mask-cut"] = arms["gated"] + ["--mask-cut-replies"]
     chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
     for arm in chosen:  # ARM-seedN: the same arm with another run seed (tasks, sampling)
         base, _, seed = arm.partition("-seed")
         if base not in arms or (seed and not seed.isdigit()):
-            sys.exit(f"--arms: unknown arm {arm!r} (gated, ungated, penalty, kl, or one of them with -seedN)")
+            sys.exit(f"--arms: unknown arm {arm!r} (one of {', '.join(a for a in arms if '-seed' not in a)}, or one of them with -seedN)")
         arms[arm] = arms[base] + (["--seed", seed] if seed else [])
     w = args.work
     (w / "eval").mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,8 @@ def test_tier_configs_hold_the_papers_defaults():
         ({"prompt.history": -1}, "prompt.history must be a whole number >= 0"),
         ({"prompt.history": 1.5}, "prompt.history must be int"),
         ({"prompt.history": 2, "learner.loss_agg": "seq-mean-token-mean"}, "not with prompt.history"),
+        ({"reward.invalid_action_in": "reward"}, "reward.invalid_action_in must be return or advantage"),
+        ({"reward.invalid_action_in": "advantage", "train.advantage": "gigpo"}, "gigpo already gives each reply its own"),
     ],
 )
 def test_bad_training_settings(overrides, message):

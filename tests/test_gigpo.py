@@ -178,6 +178,52 @@ def test_invalid_action_penalty_reaches_grpo_and_gigpo(real_rollout):
     assert gigpo == {0: approx([m, -0.1 + m, m]), 1: approx([m] * 3), 2: approx([m] * 3)}
 
 
+def test_invalid_action_penalty_in_the_advantage_keeps_zero_variance_groups_out(real_rollout):
+    """reward.invalid_action_in advantage: the outcome's advantage first (std-normalised), then the
+    penalty on each invalid reply, and only where the group's outcomes differ."""
+    import copy
+
+    g = copy.deepcopy(real_rollout.groups[1])
+    for t in g.trajectories:
+        t.stop_reason = "max_steps"
+        for s in t.steps:
+            s.command = "look"
+    g.trajectories[0].steps[1].command = None
+    step_pen = Advantage("grpo", invalid_action=-0.1, invalid_action_in="advantage")
+    by_index = lambda fn: {t.index: a for t, a in batch_advantages([g], fn)}  # noqa: E731
+    assert by_index(step_pen) == {0: 0.0, 1: 0.0, 2: 0.0}  # all lost: no signal, invalid reply or not
+    assert by_index(Advantage("grpo", invalid_action=-0.1))[0] < 0  # in the return it makes a signal of its own
+    g.trajectories[1].stop_reason = "won"
+    win, lose = 2 / math.sqrt(2), -1 / math.sqrt(2)  # rewards 0, 1, 0: mean 1/3, std sqrt(2)/3
+    got = by_index(step_pen)
+    assert got[0] == pytest.approx([lose, lose - 0.1, lose], abs=1e-5) and got[1] == pytest.approx(win, abs=1e-5)
+    assert got[2] == pytest.approx(lose, abs=1e-5) and not isinstance(got[2], list)  # nothing added: stays one number
+
+
+def test_cut_replies_are_masked_out_of_every_estimator(real_rollout):
+    """advantage.mask_cut_replies: a reply cut at max_new_tokens gets A = 0 on exactly its own
+    tokens, under GRPO and GiGPO; a zero-variance group stays 0 (one number, skipped)."""
+    import copy
+
+    g = copy.deepcopy(real_rollout.groups[1])
+    for t in g.trajectories:  # the tiny random model's replies all ran to max_new_tokens: keep one cut
+        t.stop_reason, t.cut_steps = "max_steps", []
+    cut = g.trajectories[0]
+    cut.cut_steps = [2]
+    masked = Advantage("grpo", mask_cut_replies=True)
+    assert {t.index: a for t, a in batch_advantages([g], masked)} == {0: 0.0, 1: 0.0, 2: 0.0}
+    cut.stop_reason = "won"
+    got = {t.index: a for t, a in batch_advantages([g], masked)}
+    assert got[0] == pytest.approx([2 / math.sqrt(2)] * 2 + [0.0], abs=1e-5) and not isinstance(got[1], list)
+    per_token = [x for x, m in zip(token_advantages(cut, got[0]), cut.action_mask) if m]
+    n0, n1, n2 = cut.step_tokens
+    assert per_token[: n0 + n1] == pytest.approx([2 / math.sqrt(2)] * (n0 + n1), abs=1e-5) and per_token[n0 + n1:] == [0.0] * n2
+    assert trained_tokens(cut, got[0]) == n0 + n1
+    gigpo = {t.index: a for t, a in batch_advantages([g], Advantage("gigpo", mask_cut_replies=True))}
+    plain = {t.index: a for t, a in batch_advantages([g], Advantage("gigpo"))}
+    assert gigpo[0] == plain[0][:2] + [0.0] and gigpo[1] == plain[1]
+
+
 class WalkthroughScript:
     """Plays real ALFWorld games by their expert walkthroughs, so a test gets wins on any CPU (a
     tiny random model never wins a real game). A fake only in that choice: it wraps the real

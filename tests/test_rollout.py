@@ -155,7 +155,7 @@ def test_replies_cut_at_max_new_tokens_are_counted(games, tokenizer):
     sampler = ExpertSampler(tokenizer, {game.game_id: replies}, None)
     rollout = run_lockstep([game], ModelPolicy(sampler, SamplingParams(0.0, 1.0, 12), seed=0), max_steps=3)
     t = rollout.trajectories[0]
-    assert t.step_tokens[1] == 12 and t.replies_cut == 1 and t.step_tokens[0] < 12 and t.step_tokens[2] < 12
+    assert t.step_tokens[1] == 12 and t.cut_steps == [1] and t.replies_cut == 1 and t.step_tokens[0] < 12 and t.step_tokens[2] < 12
     metrics = behaviour_metrics([t])
     assert metrics["replies_cut_rate"] == round(1 / 3, 4)
     from agentrl.cli import behaviour  # the console line: shown when not 0

@@ -340,6 +340,8 @@ def train_cmd(
     gamma: Annotated[Optional[float], typer.Option(help="GiGPO: discount of the step-level returns (default 0.95).")] = None,
     omega: Annotated[Optional[float], typer.Option(help="GiGPO: weight of the step-level advantage (default 1.0).")] = None,
     invalid_action_reward: Annotated[Optional[float], typer.Option(help="Reward of a reply that maps to no admissible command (<= 0; default 0: off).")] = None,
+    invalid_action_in: Annotated[Optional[str], typer.Option(help="Where that penalty enters: return (before the group's normalisation, verl-agent's) or advantage (each invalid reply's, after it; zero-variance groups stay out).")] = None,
+    mask_cut_replies: Annotated[Optional[bool], typer.Option("--mask-cut-replies/--no-mask-cut-replies", help="Replies cut at max_new_tokens get A = 0 (DAPO's overlong filtering, per reply).")] = None,
     dapo_filter: Annotated[Optional[bool], typer.Option("--dapo-filter/--no-dapo-filter", help="Also drop uncut zero-variance groups.")] = None,
     select: Annotated[Optional[str], typer.Option("--select", help="Rollout-selection stages, e.g. greso,cut,dapo (default: cut when the gate is on).")] = None,
     gate_audit: Annotated[Optional[float], typer.Option(help="Share of the groups the gate would cut that run on anyway (out of the loss): live precision/recall.")] = None,
@@ -387,7 +389,8 @@ def train_cmd(
         "rollout.tasks": tasks, "rollout.group_size": group_size, "rollout.max_steps": max_steps,
         "rollout.gate": gate, "rollout.gate_or_tau": gate_or_tau, "train.iterations": iterations,
         "train.advantage": advantage, "advantage.gamma": gamma, "advantage.omega": omega,
-        "reward.invalid_action": invalid_action_reward, "train.dapo_filter": dapo_filter, "select.stages": select,
+        "reward.invalid_action": invalid_action_reward, "reward.invalid_action_in": invalid_action_in,
+        "advantage.mask_cut_replies": mask_cut_replies, "train.dapo_filter": dapo_filter, "select.stages": select,
         "select.gate_audit": gate_audit, "select.dapo_refill": dapo_refill, "learner.lr": lr, "learner.loss_agg": loss_agg,
         "learner.kl_coef": kl_coef,
         "train.eval_every": eval_every, "train.eval_tasks": eval_tasks, "train.log_to": log_to,
@@ -544,7 +547,9 @@ def describe_advantage(cfg) -> str:
     a = cfg.train.advantage
     if a == "gigpo":
         a += f" (gamma {cfg.advantage.gamma}, omega {cfg.advantage.omega}{'' if cfg.advantage.std_norm else ', no std'})"
-    return a + (f" · invalid action {cfg.reward.invalid_action}" if cfg.reward.invalid_action else "")
+    if cfg.reward.invalid_action:
+        a += f" · invalid action {cfg.reward.invalid_action}" + (" (in the advantage)" if cfg.reward.invalid_action_in == "advantage" else "")
+    return a + (" · cut replies masked" if cfg.advantage.mask_cut_replies else "")
 
 
 def print_stage_totals(rows: list[dict]) -> None:

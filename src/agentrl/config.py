@@ -197,12 +197,16 @@ class TrainConfig:
 
 @dataclass
 class AdvantageConfig:
-    """GiGPO's step-level credit (`--advantage gigpo`); defaults: verl-agent's ALFWorld recipe
-    (examples/gigpo_trainer/run_alfworld.sh: gamma 0.95, step_advantage_w 1.0, mode mean_std_norm)."""
+    """How credit reaches the replies. GiGPO's step-level credit (`--advantage gigpo`): defaults
+    from verl-agent's ALFWorld recipe (examples/gigpo_trainer/run_alfworld.sh: gamma 0.95,
+    step_advantage_w 1.0, mode mean_std_norm)."""
 
     gamma: float = 0.95  # discount of the step-level returns
     omega: float = 1.0  # weight of the step-level advantage: A = A_E + omega * A_S
     std_norm: bool = True  # divide by the group's std (mean_std_norm); false: mean only (mean_norm)
+    # a reply cut at max_new_tokens gets A = 0 (DAPO's overlong filtering, per reply): a winning
+    # episode does not teach the junk inside it, a losing one does not push its tokens around
+    mask_cut_replies: bool = False
 
 
 @dataclass
@@ -212,6 +216,10 @@ class RewardConfig:
     # reward of a step whose reply maps to no admissible command (0: off). verl-agent uses -0.1 against
     # a win worth 10; with agentrl's win worth 1 the same ratio is -0.01
     invalid_action: float = 0.0
+    # where it enters: "return" (verl-agent: R + penalty x invalid replies, before the group's
+    # normalisation) or "advantage" (added to each invalid reply's advantage after it, only in groups
+    # whose outcomes differ: a zero-variance group stays at A = 0 and out of the loss)
+    invalid_action_in: str = "return"
 
 
 @dataclass
@@ -400,6 +408,10 @@ class Config:
             (0 <= self.advantage.gamma <= 1, f"advantage.gamma must be in [0, 1], got {self.advantage.gamma}"),
             (self.advantage.omega >= 0, f"advantage.omega must be >= 0, got {self.advantage.omega}"),
             (self.reward.invalid_action <= 0, f"reward.invalid_action is a penalty: it must be <= 0, got {self.reward.invalid_action}"),
+            (self.reward.invalid_action_in in ("return", "advantage"),
+             f"reward.invalid_action_in must be return or advantage, got {self.reward.invalid_action_in!r}"),
+            (self.reward.invalid_action_in == "return" or self.train.advantage != "gigpo",
+             "reward.invalid_action_in advantage is for trajectory-level estimators; gigpo already gives each reply its own"),
             (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
             (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
             (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),

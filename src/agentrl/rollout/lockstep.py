@@ -73,7 +73,8 @@ class ModelPolicy:
             t.step_tokens.append(len(c.token_ids))
             t.adapter_versions.append(c.adapter_version)
             self._stopped[id(t)] = c.finish_reason == "stop"
-            t.replies_cut += c.finish_reason != "stop"
+            if c.finish_reason != "stop":
+                t.cut_steps.append(len(t.step_tokens) - 1)
         return [c.text for c in completions]
 
     def context(self, traj: Trajectory) -> list[int]:

@@ -37,7 +37,7 @@ class Trajectory:
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per step
     reply_starts: list[int] = field(default_factory=list)  # offset in token_ids where each reply begins
     adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
-    replies_cut: int = 0  # replies cut at max_new_tokens (no end-of-turn): a policy drifting into junk shows here first
+    cut_steps: list[int] = field(default_factory=list)  # replies cut at max_new_tokens (no end-of-turn), by step index
     # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
     stop_reason: str | None = None  # None while running
     error: str | None = None
@@ -57,6 +57,7 @@ class Trajectory:
         from pathlib import Path
 
         g = d["game"]
+        d = {k: v for k, v in d.items() if k != "replies_cut"}  # a count in records written before cut_steps
         game = Game(**{**g, "path": Path(g["path"]), "walkthrough": tuple(g.get("walkthrough", ()))})
         return cls(**{**d, "game": game, "steps": [Step(**s) for s in d["steps"]]})
 
@@ -67,6 +68,11 @@ class Trajectory:
     @property
     def reward(self) -> float:
         return 1.0 if self.won else 0.0
+
+    @property
+    def replies_cut(self) -> int:
+        """Replies cut at max_new_tokens: a policy drifting into junk shows here first."""
+        return len(self.cut_steps)
 
     @property
     def invalid_actions(self) -> int:

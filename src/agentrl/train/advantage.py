@@ -127,11 +127,14 @@ class Advantage:
     omega: float = 1.0
     std_norm: bool = True
     invalid_action: float = 0.0  # reward of a step whose reply maps to no admissible command (<= 0)
+    invalid_action_in: str = "return"  # the penalty goes into the return (before normalising) or the advantage (after)
+    mask_cut_replies: bool = False  # a reply cut at max_new_tokens gets A = 0
 
     @classmethod
     def of(cls, cfg) -> "Advantage":
         a = cfg.advantage
-        return cls(cfg.train.advantage, a.gamma, a.omega, a.std_norm, cfg.reward.invalid_action)
+        return cls(cfg.train.advantage, a.gamma, a.omega, a.std_norm, cfg.reward.invalid_action,
+                   cfg.reward.invalid_action_in, a.mask_cut_replies)
 
     @property
     def per_step(self) -> bool:
@@ -140,12 +143,29 @@ class Advantage:
     def of_group(self, group) -> list:
         """One advantage per trajectory of the group: a number, or (GiGPO) a list with one per reply."""
         trajs = group.trajectories
-        if not self.per_step:
+        if self.per_step:
+            adv = gigpo_step_advantages([t.reward for t in trajs], [anchor_states(t) for t in trajs], self.gamma,
+                                        self.omega, self.std_norm, penalties=[self.penalties(t) for t in trajs])
+        elif self.invalid_action_in == "return":
             # an invalid-action penalty makes the trajectory's return R + penalty x invalid steps
-            return group_advantages([t.reward + self.invalid_action * t.invalid_actions for t in trajs],
-                                    self.estimator).tolist()
-        return gigpo_step_advantages([t.reward for t in trajs], [anchor_states(t) for t in trajs], self.gamma,
-                                     self.omega, self.std_norm, penalties=[self.penalties(t) for t in trajs])
+            adv = group_advantages([t.reward + self.invalid_action * t.invalid_actions for t in trajs],
+                                   self.estimator).tolist()
+        else:
+            adv = group_advantages([t.reward for t in trajs], self.estimator).tolist()
+            if self.invalid_action and len({t.reward for t in trajs}) > 1:
+                # after the normalisation: the penalty keeps its own scale and a zero-variance group stays out
+                adv = [self._per_reply(t, a, [-p for p in self.penalties(t)]) for t, a in zip(trajs, adv)]
+        if self.mask_cut_replies:
+            adv = [self._per_reply(t, a, [0.0] * len(t.step_tokens), zero=t.cut_steps) for t, a in zip(trajs, adv)]
+        return adv
+
+    @staticmethod
+    def _per_reply(traj, a, added: list[float], zero=()) -> "float | list[float]":
+        """`a` (a number or one per reply) plus `added` per reply, 0 on the replies in `zero`; a
+        number stays a number where nothing changes, so the learner's A = 0 skip still applies."""
+        per_reply = list(a) if isinstance(a, (list, tuple)) else [a] * len(traj.step_tokens)
+        out = [0.0 if i in zero else x + d for i, (x, d) in enumerate(zip(per_reply, added))]
+        return out if out != per_reply or isinstance(a, (list, tuple)) else a
 
     def penalties(self, traj) -> list[float]:
         steps = traj.steps
