@@ -9,16 +9,22 @@ Arms (prompt settings the warm start is taught and evaluated with; everything el
   admissible-history2  both (verl-agent's ALFWorld prompt)
 
 Per arm: `agentrl sft --config W/<arm>.yaml` (the config plus the arm's prompt section), then
-`agentrl eval` of it on each split. The recipe counts optimizer steps per game (under
-`prompt.history` a game's steps are its examples, agentrl sft's `per_game`), so every arm takes
-the same number of optimizer steps; what differs is the tokens each step trains, printed as SFT
-tokens and minutes. Then a table: success with its 95% interval, valid-action rate, eval
-minutes, and each arm paired with the first on the same games (exact McNemar).
+`agentrl eval` of it on each split. What is held equal (`--equal`):
+  tokens  (default) training compute: the first arm trains the config's games; every other arm
+          trains the first N games of the same round-robin order whose replayed SFT tokens
+          come closest to the first arm's (a windowed prompt repeats the opening at every step,
+          so it trains fewer games for the same compute)
+  steps   optimizer steps: every arm trains the config's games (under `prompt.history` a game's
+          steps are its examples, agentrl sft's `per_game`, so the step count is the same);
+          what differs is the tokens each step trains (4.6x with `prompt.history: 2`)
+Then a table: SFT games, tokens and minutes, success with its 95% interval, valid-action rate,
+eval minutes, and each arm paired with the first on the same games (exact McNemar).
 
 Every command is skipped when its output exists: run it again to continue.
 
 Usage:
     python benchmarks/bench_prompt.py --work runs/bench-prompt                          # learning.yaml's recipe, all games
+    python benchmarks/bench_prompt.py --work W --arms none,history2 --equal steps       # equal optimizer steps
     python benchmarks/bench_prompt.py --work W --games 24 --epochs 1 --eval-limit 24    # a smaller reading
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +60,8 @@ def main() -> None:
     ap.add_argument("--games", type=int, default=None, help="walkthroughs (default: the config's sft.games)")
     ap.add_argument("--epochs", type=int, default=None, help="SFT epochs (default: the config's)")
     ap.add_argument("--eval-limit", type=int, default=None, help="held-out games per split (default: all)")
+    ap.add_argument("--equal", choices=("tokens", "steps"), default="tokens",
+                    help="hold SFT tokens (training compute) or optimizer steps equal across arms")
     ap.add_argument("--env-workers", default="auto")
     args = ap.parse_args()
     from agentrl.stats import paired, wilson
@@ -77,6 +86,8 @@ def main() -> None:
             cfg.setdefault("sft", {})["games"] = args.games
         if args.epochs:
             cfg.setdefault("sft", {})["epochs"] = args.epochs
+        if args.equal == "tokens" and arm != arms[0]:
+            cfg["sft"]["games"] = games_for_tokens(cfg, first_tokens)
         arm_cfg = w / f"{arm}.yaml"
         arm_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ws = w / arm / "warmstart"
@@ -84,6 +95,8 @@ def main() -> None:
             ws / "agentrl.json", log)
         record = json.loads((ws / "agentrl.json").read_text())
         dataset = next(json.loads(x) for x in (ws / "sft_metrics.jsonl").read_text().splitlines() if '"dataset"' in x)
+        if arm == arms[0]:
+            first_tokens = dataset["tokens"]
         for split in splits:
             out = w / arm / "eval" / split
             if not (out / "summary.json").is_file():
@@ -98,11 +111,12 @@ def main() -> None:
             rows.append({"arm": arm, "split": split, "won": o["won"], "games": o["episodes"], "success": o["success_rate"],
                          "lo": lo, "hi": hi, "valid": o.get("valid_action_rate") or 0.0,
                          "eval_min": float(wall.read_text()) / 60 if wall.is_file() else None,
-                         "sft_tokens": dataset["tokens"], "examples": dataset["examples"],
+                         "sft_tokens": dataset["tokens"], "examples": dataset["examples"], "games_trained": dataset["games"],
                          "steps": record["sft"]["optimizer_steps"], "sft_min": record.get("minutes"), "dir": out})
     lines = [f"# Prompt options side by side ({time.strftime('%Y-%m-%d')}, {machine()}, {args.config})", "",
-             "| prompt | SFT examples | SFT tokens | optimizer steps | SFT min | split | won | success [95% CI] | valid actions | eval min | vs first arm, paired |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | --- |"]
+             f"Held equal: {'SFT tokens (training compute)' if args.equal == 'tokens' else 'optimizer steps'}.", "",
+             "| prompt | SFT games | SFT examples | SFT tokens (an epoch) | optimizer steps | SFT min | split | won | success [95% CI] | valid actions | eval min | vs first arm, paired |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | ---: | --- |"]
     first = {r["split"]: r for r in rows if r["arm"] == arms[0]}
     for r in rows:
         vs = ""
@@ -110,13 +124,47 @@ def main() -> None:
             p = paired(outcomes(first[r["split"]]["dir"]), outcomes(r["dir"]))
             vs = (f"{p['difference_points']:+.1f} points ({len(p['won_only_by_b'])} won / {len(p['won_only_by_a'])} lost), "
                   f"p = {p['mcnemar_p']:.2g}")
-        lines.append(f"| {r['arm']} | {r['examples']} | {r['sft_tokens']:,} | {r['steps']} | "
+        lines.append(f"| {r['arm']} | {r['games_trained']} | {r['examples']} | {r['sft_tokens']:,} | {r['steps']} | "
                      f"{r['sft_min'] if r['sft_min'] is not None else '-'} | {r['split']} | {r['won']}/{r['games']} | "
                      f"{100 * r['success']:.1f}% [{100 * r['lo']:.1f}, {100 * r['hi']:.1f}] | {100 * r['valid']:.0f}% | "
                      f"{'-' if r['eval_min'] is None else round(r['eval_min'], 1)} | {vs} |")
     (w / "prompt.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nall done in {(time.perf_counter() - t0) / 60:.1f} min; {w / 'prompt.md'}")
+
+
+def games_for_tokens(cfg_dict: dict, target: int) -> int:
+    """The N whose first N games (sft's round-robin order, so every N is a prefix of the next)
+    replay, with this arm's prompt, to the number of SFT tokens closest to `target`. Replays the
+    config's games once through the real env, into sft's cache (so the arm's sft reuses nothing
+    it should not: its own, smaller game list has its own key)."""
+    from agentrl.config import load_config
+    from agentrl.env import open_envs
+    from agentrl.models import cache_root, load_tokenizer
+    from agentrl.train.sft import expert_dataset, select_games, sft_prompt
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(cfg_dict, f)
+        f.flush()
+        cfg = sft_prompt(load_config(f.name))
+    games = select_games(cfg, cfg.sft.split, cfg.sft.games)
+    tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
+    envs = open_envs(cfg)
+    try:
+        data = expert_dataset(cfg, games, tokenizer, envs, cache_root() / "sft-data")
+    finally:
+        if envs is not None:
+            envs.shutdown()
+    per_game: dict[str, int] = {}
+    for e in data.examples:
+        per_game[e.game_id] = per_game.get(e.game_id, 0) + len(e.token_ids)
+    best, total = (1, None), 0
+    for n, g in enumerate(games, 1):
+        total += per_game.get(g.game_id, 0)
+        if best[1] is None or abs(total - target) < best[1]:
+            best = (n, abs(total - target))
+    print(f"  equal tokens: {best[0]} of {len(games)} games replay to ~{target:,} SFT tokens with this prompt", flush=True)
+    return best[0]
 
 
 if __name__ == "__main__":

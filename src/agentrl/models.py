@@ -16,7 +16,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from agentrl.errors import UserError
@@ -169,6 +171,15 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
     if not tokenizer.chat_template:
         raise UserError(f"tokenizer of {name!r} has no chat template; agentrl needs a chat (instruct) model")
     return tokenizer
+
+
+@contextmanager
+def quiet_peft():
+    """Around PEFT's wrapping of a model: PEFT 0.21 asks for transformers 5.x's deprecated
+    `is_gradient_checkpointing`, a FutureWarning the user can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def load_model(name: str, dtype: str = "auto", device: str = "auto", trust_remote_code: bool = False):

@@ -24,6 +24,7 @@ log-prob of every generated token, and KV reuse across the turns of a trajectory
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -44,6 +45,13 @@ def stop_token_ids(tokenizer, model=None) -> set[int]:
         tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
         ids.add(tid)
     return {i for i in ids if i is not None}
+
+
+def cache_kwarg(model) -> str:
+    """The forward's name for the KV cache: `cache` since transformers 5.x renamed it (the old name
+    warns at every call), `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 class HFSampler:
@@ -91,6 +99,8 @@ class HFSampler:
     def load_adapter(self, path: str, version: int | None = None) -> None:
         from peft import PeftModel
 
+        from agentrl.models import quiet_peft
+
         p = Path(path)
         if not (p / "adapter_config.json").is_file():
             raise UserError(f"adapter directory {p} has no adapter_config.json (not a PEFT adapter)")
@@ -106,7 +116,8 @@ class HFSampler:
                 if previous != name and previous in self.model.peft_config:
                     self.model.delete_adapter(previous)  # hot-swap: only one adapter stays resident
             else:
-                self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
+                with quiet_peft():
+                    self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as e:
             self._merge()  # the previous adapter stays, as it was served
             first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
@@ -340,8 +351,8 @@ class HFSampler:
         keys = torch.arange(kv_len, device=ids.device)
         mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, kv_len]: causal, per-row length
         self.store.begin(row_slots, span, write[0], write[1], write_from, kv_len)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, past_key_values=self.store,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, use_cache=True, logits_to_keep=1,
+                         **{cache_kwarg(self.model): self.store})
         return out.logits[:, -1].float()
 
 

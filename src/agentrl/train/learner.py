@@ -67,17 +67,21 @@ class Learner:
         this learner writes (agentrl.json), so evaluating one uses the prompt it was trained with."""
         from peft import PeftModel, get_peft_model
 
+        from agentrl.models import quiet_peft
+
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
         if init_adapter:
-            self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
+            with quiet_peft():
+                self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
             # the adapter may come from another machine (a GPU's warm start): record the base this
             # learner trains on, as get_peft_model does, not the path it was made on (PEFT looks it
             # up, on the Hub too, at every save)
             for adapter_config in self.model.peft_config.values():
                 adapter_config.base_model_name_or_path = model.name_or_path
         else:
-            self.model = get_peft_model(model, lora_config(cfg))
+            with quiet_peft():
+                self.model = get_peft_model(model, lora_config(cfg))
         if cfg.gradient_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2's name for it
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -244,9 +244,11 @@ class SftHooks:
 def lora_model(model, cfg: Config):
     from peft import get_peft_model
 
+    from agentrl.models import quiet_peft
     from agentrl.train.learner import lora_config
 
-    return get_peft_model(model, lora_config(cfg.learner))
+    with quiet_peft():
+        return get_peft_model(model, lora_config(cfg.learner))
 
 
 def check_out_dir(out: Path, force: bool) -> None:
