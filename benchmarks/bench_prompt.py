@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -86,10 +85,11 @@ def main() -> None:
             cfg.setdefault("sft", {})["games"] = args.games
         if args.epochs:
             cfg.setdefault("sft", {})["epochs"] = args.epochs
-        if args.equal == "tokens" and arm != arms[0]:
-            cfg["sft"]["games"] = games_for_tokens(cfg, first_tokens)
         arm_cfg = w / f"{arm}.yaml"
         arm_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        if args.equal == "tokens" and arm != arms[0]:
+            cfg.setdefault("sft", {})["games"] = games_for_tokens(arm_cfg, first_tokens)
+            arm_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
         ws = w / arm / "warmstart"
         run(["sft", "--out", str(ws), "--reuse", "--force", "--config", str(arm_cfg), "--env-workers", args.env_workers],
             ws / "agentrl.json", log)
@@ -133,7 +133,7 @@ def main() -> None:
     print(f"\nall done in {(time.perf_counter() - t0) / 60:.1f} min; {w / 'prompt.md'}")
 
 
-def games_for_tokens(cfg_dict: dict, target: int) -> int:
+def games_for_tokens(arm_cfg: Path, target: int) -> int:
     """The N whose first N games (sft's round-robin order, so every N is a prefix of the next)
     replay, with this arm's prompt, to the number of SFT tokens closest to `target`. Replays the
     config's games once through the real env, into sft's cache (so the arm's sft reuses nothing
@@ -143,10 +143,7 @@ def games_for_tokens(cfg_dict: dict, target: int) -> int:
     from agentrl.models import cache_root, load_tokenizer
     from agentrl.train.sft import expert_dataset, select_games, sft_prompt
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        yaml.safe_dump(cfg_dict, f)
-        f.flush()
-        cfg = sft_prompt(load_config(f.name))
+    cfg = sft_prompt(load_config(arm_cfg))
     games = select_games(cfg, cfg.sft.split, cfg.sft.games)
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     envs = open_envs(cfg)

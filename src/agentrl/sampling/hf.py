@@ -65,6 +65,7 @@ class HFSampler:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
+        self.cache_kwarg = cache_kwarg(model)  # read once: the forward's signature does not change with an adapter
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
         self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
         param = next(model.parameters())
@@ -352,7 +353,7 @@ class HFSampler:
         mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, kv_len]: causal, per-row length
         self.store.begin(row_slots, span, write[0], write[1], write_from, kv_len)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, use_cache=True, logits_to_keep=1,
-                         **{cache_kwarg(self.model): self.store})
+                         **{self.cache_kwarg: self.store})
         return out.logits[:, -1].float()
 
 
