@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument("--invalid-action", default="-0.01", help="the penalty arm's reward of an invalid reply (verl-agent's 0.1 of 10)")
     ap.add_argument("--step-penalty", default="-0.5", help="the penalty-step arm's penalty, added to an invalid reply's "
                                                           "std-normalised advantage (a winner's is about +1 to +2.6 at G 8)")
-    ap.add_argument("--kl-coef", default="5", help="the kl arm's beta: a mean over action tokens against seq-sum's per-trajectory "
-                                                   "sum of about 250 action tokens, so 5 is about the field's 0.02 (token-mean)")
+    ap.add_argument("--kl-coef", default="50", help="the kl arm's beta: a mean over action tokens against seq-sum's per-trajectory "
+                                                    "sum of about 250 action tokens (5, about the field's 0.02 token-mean, did not "
+                                                    "hold the policy; 50 did: docs/measurements.md)")
     ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
     ap.add_argument("--midpoint-splits", default=",".join(SPLITS),
