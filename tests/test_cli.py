@@ -300,3 +300,18 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
     assert not [ln for ln in lines if "0/3" in ln]  # not the rollout's count, left over (rich keeps a total given None)
     time.sleep(0.5)
     assert len(buf.getvalue().splitlines()) == printed
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["eval", "--no-such-flag"], r"^error: No such option: --no-such-flag"),
+        (["eval", "--max-steps", "abc"], r"^error: Invalid value for '--max-steps'"),
+        (["compare", "only-a"], r"^error: Missing argument 'b'"),
+        (["no-such-command"], r"^error: No such command 'no-such-command'"),
+    ],
+)
+def test_usage_errors_are_one_line_too(args, pattern):
+    """The parser's own errors (unknown flag, bad type, missing argument, unknown command) read
+    like agentrl's: one line, exit 2, whichever copy of click the installed typer uses."""
+    assert_clean_error(agentrl(*args), pattern)

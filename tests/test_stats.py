@@ -48,6 +48,26 @@ def test_paired_comparison_counts_discordant_games_only():
     assert r["ci95_a"] == pytest.approx(wilson(2, 5))
 
 
+def test_shares_are_compared_game_by_game_with_the_sign_test():
+    """Shares won (N sampled episodes per game, or several seeds' evals averaged): a game counts
+    for the side with the larger share, the test is the exact sign test over those games (for 0/1
+    outcomes exactly McNemar), and the intervals a bootstrap over games."""
+    from agentrl.stats import bootstrap_mean
+
+    a = {f"g{i}": 0.0 for i in range(8)} | {"w": 1.0}
+    b = {f"g{i}": 0.5 for i in range(6)} | {"g6": 0.0, "g7": 1.0, "w": 0.5}
+    r = paired(a, b)
+    assert r["test"] == "exact sign test over games"
+    assert r["won_only_by_b"] == [f"g{i}" for i in range(6)] + ["g7"] and r["won_only_by_a"] == ["w"]
+    assert r["mcnemar_p"] == pytest.approx(2 * 9 / 256)  # 1 vs 7: as by hand above
+    assert r["difference_points"] == pytest.approx(100 * (3.0 + 1.0 + 0.5 - 1.0) / 9)
+    assert r["ci95_b"] == pytest.approx(tuple(bootstrap_mean([b[g] for g in sorted(b)])))
+    lo, hi = r["ci95_b"]
+    assert lo < r["success_b"] < hi
+    assert bootstrap_mean([1.0, 1.0]) == [1.0, 1.0] and bootstrap_mean([]) == [0.0, 0.0]
+    assert paired({"x": 1, "y": 0}, {"x": 0, "y": 1})["test"] == "exact McNemar"
+
+
 def write_eval(path, outcomes):
     path.mkdir()
     rows = [{"task_id": g, "split": "valid_seen", "task_type": t, "won": bool(w)} for g, t, w in outcomes]
@@ -68,6 +88,26 @@ def test_compare_command_prints_and_writes_the_paired_result(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no episodes.jsonl" in bad.stderr
+
+
+def test_compare_pools_several_evals_of_one_side_per_game(tmp_path):
+    """`agentrl compare A B1 B2`: two seeds of one policy against a reference, a game counting as
+    the share of B's evals that won it; B's evals must hold the same games."""
+    games = [(f"g{i}", "heat", 0) for i in range(8)]
+    write_eval(tmp_path / "a", games)
+    write_eval(tmp_path / "s0", [(g, t, int(g in {"g0", "g1", "g2", "g3", "g4", "g5"})) for g, t, _ in games])
+    write_eval(tmp_path / "s1", [(g, t, int(g in {"g0", "g1", "g2", "g6"})) for g, t, _ in games])
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "s0"),
+                           str(tmp_path / "s1"), "--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # shares 1, 1, 1, .5, .5, .5, .5, 0 against 0: 7 games better for B, none for A: p = 2/128
+    assert "B is above A by 62.5 points on 8 paired games (sign test p = 0.0156 < 0.05)" in " ".join(proc.stdout.split())
+    r = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert r["b_evals"] == 2 and r["overall"]["success_b"] == pytest.approx(5 / 8)
+    write_eval(tmp_path / "short", games[:5])
+    bad = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "s0"),
+                          str(tmp_path / "short")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "hold different games" in bad.stderr
 
 
 def test_the_run_summary_says_whether_success_moved_beyond_noise():

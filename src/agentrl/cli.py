@@ -762,15 +762,18 @@ def report_cmd(
 @app.command("compare")
 def compare_cmd(
     a: Annotated[Path, typer.Argument(help="An `agentrl eval` output directory (or its episodes.jsonl): the reference.")],
-    b: Annotated[Path, typer.Argument(help="Another eval of the same games.")],
+    b: Annotated[list[Path], typer.Argument(help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
     out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
 ) -> None:
-    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only."""
+    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only (several B: seeds, pooled per game)."""
     from agentrl.compare import compare, verdict
 
     r = compare(a, b, out)
-    table = Table(title=f"A = {a}  ·  B = {b}")
-    for col in ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", "only A", "only B", "McNemar p"):
+    pooled = f" (mean of {len(b)} evals per game)" if len(b) > 1 else ""
+    table = Table(title=f"A = {a}  ·  B = {r['b']}{pooled}")
+    mcnemar = r["overall"]["test"] == "exact McNemar"  # 0/1 outcomes; shares get the sign test
+    for col in ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", *(("only A", "only B", "McNemar p") if mcnemar
+                else ("A better", "B better", "sign test p"))):
         table.add_column(col, justify="left" if col == "games" else "right")
 
     def ci(c) -> str:
@@ -920,14 +923,15 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click usage errors and friends
+    except Exception as e:  # usage errors: click's, or those of the copy of click newer typers carry
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
+        if isinstance(e, (typer.Exit, click.exceptions.Exit)):
             sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.ClickException) or type(e).__module__.startswith("typer."):
+            if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # one line, as for every bad input
+                err.print(f"[bold red]error:[/] {e.format_message()} (see --help)", highlight=False, soft_wrap=True)
+                sys.exit(e.exit_code)
         raise
 
 

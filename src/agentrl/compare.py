@@ -2,9 +2,11 @@
 
 Each side is an `agentrl eval` output directory (or its episodes.jsonl). A game's outcome is
 won (1) or lost (0); with several sampled episodes per game (`agentrl eval --samples N`) it is
-the share won. The comparison (agentrl.stats.paired): success of each with its 95% Wilson
-interval, the difference B - A in points, the exact McNemar p-value on the discordant games
-and which games each side won alone; also per task type.
+the share won. B may be several evals of the same games (one policy trained with several
+seeds): a game's outcome is then its mean over them. The comparison (agentrl.stats.paired):
+success of each with its 95% interval, the difference B - A in points, an exact test on the
+games one side did better on (McNemar for 0/1 outcomes, the sign test for shares) and which
+games those are; also per task type.
 """
 
 from __future__ import annotations
@@ -45,14 +47,31 @@ def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
     return {g: sum(v) / len(v) for g, v in wins.items()}, types
 
 
-def compare(a: Path, b: Path, out: Path | None = None) -> dict:
+def pooled_outcomes(paths: list[Path]) -> tuple[dict[str, float], dict[str, str]]:
+    """Several evals of one policy (seeds) as one: a game's outcome is its mean over them. They
+    must hold the same games, or the mean would mix games seen by some seeds only."""
+    outcomes, types = game_outcomes(paths[0])
+    sums = dict(outcomes)
+    for p in paths[1:]:
+        more, more_types = game_outcomes(p)
+        if set(more) != set(outcomes):
+            raise UserError(f"{p} and {paths[0]} hold different games: evals pooled on one side must cover the same games")
+        for g, v in more.items():
+            sums[g] += v
+        types |= more_types
+    return {g: v / len(paths) for g, v in sums.items()}, types
+
+
+def compare(a: Path, b: Path | list[Path], out: Path | None = None) -> dict:
+    bs = [b] if isinstance(b, Path) else list(b)
     outcomes_a, types_a = game_outcomes(a)
-    outcomes_b, types_b = game_outcomes(b)
+    outcomes_b, types_b = pooled_outcomes(bs)
     common = set(outcomes_a) & set(outcomes_b)
     if not common:
-        raise UserError(f"{a} and {b} share no game: a paired comparison needs the same games")
+        raise UserError(f"{a} and {bs[0]} share no game: a paired comparison needs the same games")
     types = types_a | types_b
-    result = {"a": str(a), "b": str(b), "overall": paired(outcomes_a, outcomes_b), "by_task_type": {}}
+    result = {"a": str(a), "b": " + ".join(map(str, bs)), "b_evals": len(bs),
+              "overall": paired(outcomes_a, outcomes_b), "by_task_type": {}}
     for tt in sorted({types[g] for g in common}):
         keep = {g for g in common if types[g] == tt}
         result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
@@ -62,9 +81,11 @@ def compare(a: Path, b: Path, out: Path | None = None) -> dict:
 
 
 def verdict(r: dict) -> str:
-    """One line: whether B differs from A beyond noise (exact McNemar, 5%)."""
+    """One line: whether B differs from A beyond noise (exact McNemar or sign test, 5%)."""
     d, p = r["difference_points"], r["mcnemar_p"]
+    test = "McNemar" if r.get("test", "exact McNemar") == "exact McNemar" else "sign test"
     if p < 0.05:
-        return f"B is {'above' if d > 0 else 'below'} A by {abs(d):.1f} points on {r['games']} paired games (McNemar p = {p:.3g} < 0.05)"
-    return (f"no difference beyond noise: {d:+.1f} points on {r['games']} paired games (McNemar p = {p:.2f}; "
-            f"{len(r['won_only_by_a'])} games won only by A, {len(r['won_only_by_b'])} only by B)")
+        return f"B is {'above' if d > 0 else 'below'} A by {abs(d):.1f} points on {r['games']} paired games ({test} p = {p:.3g} < 0.05)"
+    better = ("won only by A", "only by B") if test == "McNemar" else ("better for A", "better for B")
+    return (f"no difference beyond noise: {d:+.1f} points on {r['games']} paired games ({test} p = {p:.2f}; "
+            f"{len(r['won_only_by_a'])} games {better[0]}, {len(r['won_only_by_b'])} {better[1]})")

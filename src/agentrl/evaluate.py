@@ -13,7 +13,7 @@ from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPo
 from agentrl.rollout.trajectory import behaviour_metrics
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
-from agentrl.stats import wilson
+from agentrl.stats import bootstrap_mean, wilson
 
 
 @dataclass
@@ -83,17 +83,10 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
 
 def game_bootstrap(ts: list[Trajectory], seed: int, draws: int = 2000) -> list[float]:
     """95% percentile bootstrap of the mean success, resampling games (each with all its episodes)."""
-    import numpy as np
-
     by_game: dict[str, list[float]] = defaultdict(list)
     for t in ts:
         by_game[t.game.game_id].append(float(t.won))
-    if not by_game:
-        return [0.0, 0.0]
-    means = np.array([np.mean(v) for v in by_game.values()])
-    rng = np.random.default_rng(seed)
-    boot = means[rng.integers(0, len(means), size=(draws, len(means)))].mean(axis=1)
-    return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+    return bootstrap_mean([sum(v) / len(v) for v in by_game.values()], seed, draws)
 
 
 def prepare_eval(cfg: Config, sampler=None):

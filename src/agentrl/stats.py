@@ -38,24 +38,46 @@ def rate_text(k: int, n: int) -> str:
     return f"{k}/{n} = {100 * k / n:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
 
+def bootstrap_mean(values: list[float], seed: int = 0, draws: int = 2000) -> list[float]:
+    """95% percentile bootstrap of the mean of per-game values (shares won), resampling games."""
+    import numpy as np
+
+    if not values:
+        return [0.0, 0.0]
+    means = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    boot = means[rng.integers(0, len(means), size=(draws, len(means)))].mean(axis=1)
+    return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+
+
 def paired(a: dict[str, float], b: dict[str, float]) -> dict:
-    """Two evals as {game id: success (0/1, or a share of N sampled episodes)} compared on the games
-    both ran: n, each side's successes, the difference B - A (points), the exact McNemar p-value
-    on the games one side won and the other lost (shares are rounded: won = share >= 0.5), and
-    the games each side won alone. Games only one side ran are counted, not compared."""
+    """Two evals as {game id: success (0/1, or a share: of N sampled episodes, or of several seeds'
+    evals)} compared on the games both ran: n, each side's success, the difference B - A (points),
+    the games on which each side did better, and an exact two-sided test over them. With 0/1
+    outcomes those are the games each side won alone and the test is exact McNemar; with shares,
+    the same test on the games whose shares differ is the exact sign test (games are the
+    independent units), and the intervals are a bootstrap over games instead of Wilson's.
+    Games only one side ran are counted, not compared."""
     common = sorted(set(a) & set(b))
     won_a = {g for g in common if a[g] >= 0.5}
     won_b = {g for g in common if b[g] >= 0.5}
-    only_a, only_b = sorted(won_a - won_b), sorted(won_b - won_a)
+    only_a = [g for g in common if a[g] > b[g]]
+    only_b = [g for g in common if b[g] > a[g]]
     n = len(common)
     rate_a = sum(a[g] for g in common) / n if n else 0.0
     rate_b = sum(b[g] for g in common) / n if n else 0.0
+    binary = all(a[g] in (0, 1) and b[g] in (0, 1) for g in common)
+    if binary:
+        ci_a, ci_b = wilson(len(won_a), n), wilson(len(won_b), n)
+    else:
+        ci_a, ci_b = (tuple(bootstrap_mean([x[g] for g in common])) if n else None for x in (a, b))
     return {
         "games": n, "only_in_a": len(set(a) - set(b)), "only_in_b": len(set(b) - set(a)),
         "success_a": rate_a, "success_b": rate_b, "difference_points": 100 * (rate_b - rate_a),
         "won_a": len(won_a), "won_b": len(won_b),
-        "ci95_a": wilson(len(won_a), n), "ci95_b": wilson(len(won_b), n),
+        "ci95_a": ci_a, "ci95_b": ci_b,
         "won_only_by_a": only_a, "won_only_by_b": only_b,
+        "test": "exact McNemar" if binary else "exact sign test over games",
         "mcnemar_p": mcnemar_exact(len(only_a), len(only_b)),
     }
 
@@ -85,4 +107,4 @@ def learning_verdict(evals: list[dict]) -> str | None:
     return head + "not beyond noise"
 
 
-__all__ = ["eval_text", "learning_verdict", "mcnemar_exact", "paired", "rate_text", "wilson"]
+__all__ = ["bootstrap_mean", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "rate_text", "wilson"]
