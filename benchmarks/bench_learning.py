@@ -17,7 +17,9 @@ learning curve:
    is evaluated like the warm start                                      -> W/<arm>, W/eval/<arm>-itN/<split>
 4. the learning curve: success with 95% Wilson intervals vs iteration and vs rollout
    step-tokens, per split and arm (curve.md, curve.csv, curve.png), each arm's last eval paired
-   with the warm start's on the same games (exact McNemar), and the arms paired with each other.
+   with the warm start's on the same games (exact McNemar), two arms paired with each other, and
+   an arm's seeds (ARM, ARM-seedN) as their mean per game against the warm start (exact sign
+   test over the games, as `agentrl compare W/eval/warmstart-it0/S W/eval/ARM-itN/S ...`).
 
 Every command is skipped when its output exists and a killed run resumes from its last
 checkpoint, so `python benchmarks/bench_learning.py --work W` run again continues where it
@@ -215,6 +217,22 @@ def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: s
         if last[arm]:
             for split in SPLITS:
                 compare(f"warm start -> {arm} it {last[arm]}", w / "eval" / "warmstart-it0", w / "eval" / f"{arm}-it{last[arm]}", split)
+    seeds: dict[str, list[str]] = {}  # ARM and ARM-seedN: one policy, several seeds
+    for arm in arms:
+        seeds.setdefault(arm.partition("-seed")[0], []).append(arm)
+    for base, group in seeds.items():
+        its = {last[a] for a in group}
+        if len(group) > 1 and len(its) == 1 and None not in its:
+            it = its.pop()
+            for split in SPLITS:
+                dirs = [w / "eval" / f"{a}-it{it}" / split for a in group]
+                if all((d / "episodes.jsonl").is_file() for d in dirs) and (w / "eval" / "warmstart-it0" / split / "episodes.jsonl").is_file():
+                    per_seed = [outcomes(d) for d in dirs]
+                    mean = {g: sum(o[g] for o in per_seed) / len(per_seed) for g in per_seed[0]}
+                    p = paired(outcomes(w / "eval" / "warmstart-it0" / split), mean)
+                    lines.append(f"| warm start -> {base}, mean of {len(group)} seeds, it {it} (sign test) | {split} | {p['games']} | "
+                                 f"{100 * p['success_a']:.1f}% | {100 * p['success_b']:.1f}% | {p['difference_points']:+.1f} | "
+                                 f"{len(p['won_only_by_a'])} / {len(p['won_only_by_b'])} better | {p['mcnemar_p']:.3g} |")
     if len(arms) == 2 and all(last.values()):
         a, b = arms
         for split in SPLITS:
