@@ -227,9 +227,9 @@ def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: s
             for split in SPLITS:
                 dirs = [w / "eval" / f"{a}-it{it}" / split for a in group]
                 if all((d / "episodes.jsonl").is_file() for d in dirs) and (w / "eval" / "warmstart-it0" / split / "episodes.jsonl").is_file():
-                    per_seed = [outcomes(d) for d in dirs]
-                    mean = {g: sum(o[g] for o in per_seed) / len(per_seed) for g in per_seed[0]}
-                    p = paired(outcomes(w / "eval" / "warmstart-it0" / split), mean)
+                    from agentrl.compare import pooled_outcomes  # the mean per game, as `agentrl compare A B1 B2`
+
+                    p = paired(outcomes(w / "eval" / "warmstart-it0" / split), pooled_outcomes(dirs)[0])
                     lines.append(f"| warm start -> {base}, mean of {len(group)} seeds, it {it} (sign test) | {split} | {p['games']} | "
                                  f"{100 * p['success_a']:.1f}% | {100 * p['success_b']:.1f}% | {p['difference_points']:+.1f} | "
                                  f"{len(p['won_only_by_a'])} / {len(p['won_only_by_b'])} better | {p['mcnemar_p']:.3g} |")
