@@ -307,7 +307,7 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
     [
         (["eval", "--no-such-flag"], r"^error: No such option: --no-such-flag"),
         (["eval", "--max-steps", "abc"], r"^error: Invalid value for '--max-steps'"),
-        (["compare", "only-a"], r"^error: Missing argument 'b'"),
+        (["compare", "only-a"], r"^error: Missing argument 'B'"),
         (["no-such-command"], r"^error: No such command 'no-such-command'"),
     ],
 )

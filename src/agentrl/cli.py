@@ -669,7 +669,7 @@ def behaviour(row: dict) -> str:
 # ---------------------------------------------------------------- analyze
 @app.command("analyze")
 def analyze_cmd(
-    groups_csv: Annotated[Path, typer.Argument(help="A groups table (groups.csv from `agentrl rollout`, or the same columns).")],
+    groups_csv: Annotated[Path, typer.Argument(metavar="GROUPS_CSV", help="A groups table (groups.csv from `agentrl rollout`, or the same columns).")],
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/analysis"),
     t_max: Annotated[int, typer.Option("--t-max", help="T_max of the rollouts behind the table.")] = 30,
     precision_floor: Annotated[float, typer.Option(help="Pick the operating point with at least this cut precision.")] = 0.8,
@@ -734,7 +734,7 @@ def print_signal_table(rows: list[dict], precision_floor: float) -> None:
 # ---------------------------------------------------------------- report
 @app.command("report")
 def report_cmd(
-    runs: Annotated[list[Path], typer.Argument(help="Training run directories (written by `agentrl train`).")],
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="Training run directories (written by `agentrl train`).")],
     out: Annotated[Optional[Path], typer.Option(help="Output directory (default RUN/report for one run, runs/report for several).")] = None,
 ) -> None:
     """Tables and figures of training runs; baseline vs gated (same seed) as the paper's Table 5."""
@@ -761,8 +761,8 @@ def report_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    a: Annotated[Path, typer.Argument(help="An `agentrl eval` output directory (or its episodes.jsonl): the reference.")],
-    b: Annotated[list[Path], typer.Argument(help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="An `agentrl eval` output directory (or its episodes.jsonl): the reference.")],
+    b: Annotated[list[Path], typer.Argument(metavar="B", help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
     out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
 ) -> None:
     """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only (several B: seeds, pooled per game)."""
@@ -853,7 +853,7 @@ def model_prepare(
 
 
 @model_app.command("path")
-def model_path(model: Annotated[str, typer.Argument(help="'default', a directory or a hub id.")] = "default") -> None:
+def model_path(model: Annotated[str, typer.Argument(metavar="MODEL", help="'default', a directory or a hub id.")] = "default") -> None:
     """Print where a model resolves to."""
     from agentrl.models import resolve_model
 
