@@ -257,7 +257,8 @@ def plot(w: Path, rows: list[dict]) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, xkey, xlabel in ((axes[0], "iteration", "GRPO iteration"), (axes[1], "step_tokens", "rollout step-tokens")):
-        for (arm, split), style in zip(sorted({(r["arm"], r["split"]) for r in rows}), ("o-", "s--", "o-", "s--")):
+        for arm, split in sorted({(r["arm"], r["split"]) for r in rows}):  # every arm (zip over 4 styles drew only 2)
+            style = "o-" if split == SPLITS[0] else "s--"
             pts = sorted((r for r in rows if r["arm"] == arm and r["split"] == split and r[xkey] is not None), key=lambda r: r[xkey])
             if not pts:
                 continue
