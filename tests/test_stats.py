@@ -51,7 +51,8 @@ def test_paired_comparison_counts_discordant_games_only():
 def test_shares_are_compared_game_by_game_with_the_sign_test():
     """Shares won (N sampled episodes per game, or several seeds' evals averaged): a game counts
     for the side with the larger share, the test is the exact sign test over those games (for 0/1
-    outcomes exactly McNemar), and the intervals a bootstrap over games."""
+    outcomes exactly McNemar), and the side with shares gets a bootstrap interval over games while
+    the side of 0/1 keeps Wilson's (the same warm start reads the same in every comparison)."""
     from agentrl.stats import bootstrap_mean
 
     a = {f"g{i}": 0.0 for i in range(8)} | {"w": 1.0}
@@ -62,6 +63,7 @@ def test_shares_are_compared_game_by_game_with_the_sign_test():
     assert r["mcnemar_p"] == pytest.approx(2 * 9 / 256)  # 1 vs 7: as by hand above
     assert r["difference_points"] == pytest.approx(100 * (3.0 + 1.0 + 0.5 - 1.0) / 9)
     assert r["ci95_b"] == pytest.approx(tuple(bootstrap_mean([b[g] for g in sorted(b)])))
+    assert r["ci95_a"] == pytest.approx(wilson(1, 9))
     lo, hi = r["ci95_b"]
     assert lo < r["success_b"] < hi
     assert bootstrap_mean([1.0, 1.0]) == [1.0, 1.0] and bootstrap_mean([]) == [0.0, 0.0]

@@ -56,7 +56,8 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     the games on which each side did better, and an exact two-sided test over them. With 0/1
     outcomes those are the games each side won alone and the test is exact McNemar; with shares,
     the same test on the games whose shares differ is the exact sign test (games are the
-    independent units), and the intervals are a bootstrap over games instead of Wilson's.
+    independent units), and a side with shares gets a bootstrap interval over games instead of
+    Wilson's (a side of 0/1 keeps Wilson's, so a warm start reads the same in every comparison).
     Games only one side ran are counted, not compared."""
     common = sorted(set(a) & set(b))
     won_a = {g for g in common if a[g] >= 0.5}
@@ -67,10 +68,13 @@ def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     rate_a = sum(a[g] for g in common) / n if n else 0.0
     rate_b = sum(b[g] for g in common) / n if n else 0.0
     binary = all(a[g] in (0, 1) and b[g] in (0, 1) for g in common)
-    if binary:
-        ci_a, ci_b = wilson(len(won_a), n), wilson(len(won_b), n)
-    else:
-        ci_a, ci_b = (tuple(bootstrap_mean([x[g] for g in common])) if n else None for x in (a, b))
+
+    def ci(x: dict, won: set):  # each side by its own kind: a single eval's 0/1 keeps Wilson's interval
+        if all(x[g] in (0, 1) for g in common):
+            return wilson(len(won), n)
+        return tuple(bootstrap_mean([x[g] for g in common])) if n else None
+
+    ci_a, ci_b = ci(a, won_a), ci(b, won_b)
     return {
         "games": n, "only_in_a": len(set(a) - set(b)), "only_in_b": len(set(b) - set(a)),
         "success_a": rate_a, "success_b": rate_b, "difference_points": 100 * (rate_b - rate_a),
