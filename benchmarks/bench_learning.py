@@ -19,7 +19,8 @@ learning curve:
    step-tokens, per split and arm (curve.md, curve.csv, curve.png), each arm's last eval paired
    with the warm start's on the same games (exact McNemar), two arms paired with each other, and
    an arm's seeds (ARM, ARM-seedN) as their mean per game against the warm start (exact sign
-   test over the games, as `agentrl compare W/eval/warmstart-it0/S W/eval/ARM-itN/S ...`).
+   test over the games, as `agentrl compare W/eval/warmstart-it0/S W/eval/ARM-itN/S ...`); each
+   per split and for both splits together (`both`: `agentrl compare W/eval/warmstart-it0 W/eval/ARM-itN`).
 
 Every command is skipped when its output exists and a killed run resumes from its last
 checkpoint, so `python benchmarks/bench_learning.py --work W` run again continues where it
@@ -69,11 +70,6 @@ def machine() -> str:
 
     gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}"
-
-
-def outcomes(eval_dir: Path) -> dict[str, float]:
-    rows = [json.loads(x) for x in (eval_dir / "episodes.jsonl").read_text().splitlines() if x.strip()]
-    return {f"{r['split']}/{r['task_id']}": float(r["won"]) for r in rows}
 
 
 def summary(eval_dir: Path) -> dict:
@@ -205,9 +201,17 @@ def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: s
     lines += ["", "Paired on the same games (exact McNemar on the discordant games):", "",
               "| comparison | split | games | A | B | B - A (points) | won only by A / B | p |", "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
 
+    from agentrl.compare import game_outcomes, pooled_outcomes  # the same reading as `agentrl compare`
+
+    def ready(d: Path, split: str) -> bool:  # "both": the run's eval dir, every split in it
+        return all((d / s / "episodes.jsonl").is_file() for s in (SPLITS if split == "both" else [split]))
+
+    def at(d: Path, split: str) -> Path:
+        return d if split == "both" else d / split
+
     def compare(label, a: Path, b: Path, split: str):
-        if (a / split / "episodes.jsonl").is_file() and (b / split / "episodes.jsonl").is_file():
-            p = paired(outcomes(a / split), outcomes(b / split))
+        if ready(a, split) and ready(b, split):
+            p = paired(game_outcomes(at(a, split))[0], game_outcomes(at(b, split))[0])
             lines.append(f"| {label} | {split} | {p['games']} | {100 * p['success_a']:.1f}% | {100 * p['success_b']:.1f}% | "
                          f"{p['difference_points']:+.1f} | {len(p['won_only_by_a'])} / {len(p['won_only_by_b'])} | {p['mcnemar_p']:.3g} |")
 
@@ -215,7 +219,7 @@ def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: s
             for arm in arms}
     for arm in arms:
         if last[arm]:
-            for split in SPLITS:
+            for split in (*SPLITS, "both"):
                 compare(f"warm start -> {arm} it {last[arm]}", w / "eval" / "warmstart-it0", w / "eval" / f"{arm}-it{last[arm]}", split)
     seeds: dict[str, list[str]] = {}  # ARM and ARM-seedN: one policy, several seeds
     for arm in arms:
@@ -224,18 +228,18 @@ def write_curve(w: Path, arms: list[str], iterations: int, every: int, config: s
         its = {last[a] for a in group}
         if len(group) > 1 and len(its) == 1 and None not in its:
             it = its.pop()
-            for split in SPLITS:
-                dirs = [w / "eval" / f"{a}-it{it}" / split for a in group]
-                if all((d / "episodes.jsonl").is_file() for d in dirs) and (w / "eval" / "warmstart-it0" / split / "episodes.jsonl").is_file():
-                    from agentrl.compare import pooled_outcomes  # the mean per game, as `agentrl compare A B1 B2`
-
-                    p = paired(outcomes(w / "eval" / "warmstart-it0" / split), pooled_outcomes(dirs)[0])
+            for split in (*SPLITS, "both"):
+                dirs = [w / "eval" / f"{a}-it{it}" for a in group]
+                if all(ready(d, split) for d in dirs) and ready(w / "eval" / "warmstart-it0", split):
+                    # the mean per game, as `agentrl compare A B1 B2`
+                    p = paired(game_outcomes(at(w / "eval" / "warmstart-it0", split))[0],
+                               pooled_outcomes([at(d, split) for d in dirs])[0])
                     lines.append(f"| warm start -> {base}, mean of {len(group)} seeds, it {it} (sign test) | {split} | {p['games']} | "
                                  f"{100 * p['success_a']:.1f}% | {100 * p['success_b']:.1f}% | {p['difference_points']:+.1f} | "
                                  f"{len(p['won_only_by_a'])} / {len(p['won_only_by_b'])} better | {p['mcnemar_p']:.3g} |")
     if len(arms) == 2 and all(last.values()):
         a, b = arms
-        for split in SPLITS:
+        for split in (*SPLITS, "both"):
             compare(f"{a} it {last[a]} -> {b} it {last[b]}", w / "eval" / f"{a}-it{last[a]}", w / "eval" / f"{b}-it{last[b]}", split)
     (w / "curve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

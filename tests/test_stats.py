@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from agentrl.errors import UserError
 from agentrl.stats import mcnemar_exact, paired, rate_text, wilson
 
 
@@ -70,9 +71,9 @@ def test_shares_are_compared_game_by_game_with_the_sign_test():
     assert paired({"x": 1, "y": 0}, {"x": 0, "y": 1})["test"] == "exact McNemar"
 
 
-def write_eval(path, outcomes):
-    path.mkdir()
-    rows = [{"task_id": g, "split": "valid_seen", "task_type": t, "won": bool(w)} for g, t, w in outcomes]
+def write_eval(path, outcomes, split="valid_seen"):
+    path.mkdir(parents=True)
+    rows = [{"task_id": g, "split": split, "task_type": t, "won": bool(w)} for g, t, w in outcomes]
     (path / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -110,6 +111,29 @@ def test_compare_pools_several_evals_of_one_side_per_game(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "s0"),
                           str(tmp_path / "short")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "hold different games" in bad.stderr
+
+
+def test_compare_reads_a_directory_of_splits_as_one_eval(tmp_path):
+    """bench_learning's eval/RUN/ holds one eval per split: compared as one, games named by split,
+    so the same game id in two splits is two games; a side with one split leaves the other out."""
+    games = [(f"g{i}", "heat", 0) for i in range(4)]
+    for split in ("valid_seen", "valid_unseen"):
+        write_eval(tmp_path / "a" / split, games, split)
+    write_eval(tmp_path / "b" / "valid_seen", [(g, t, 1) for g, t, _ in games], "valid_seen")
+    write_eval(tmp_path / "b" / "valid_unseen", [(g, t, int(g == "g0")) for g, t, _ in games], "valid_unseen")
+    from agentrl.compare import compare, game_outcomes
+    r = compare(tmp_path / "a", tmp_path / "b")["overall"]
+    assert r["games"] == 8 and r["won_b"] == 5 and r["won_only_by_b"][-1] == "valid_unseen/g0"
+    assert r["mcnemar_p"] == pytest.approx(2 / 32)
+    r = compare(tmp_path / "a", tmp_path / "b" / "valid_seen")["overall"]
+    assert r["games"] == 4 and r["only_in_a"] == 4
+    write_eval(tmp_path / "c" / "x", games)
+    write_eval(tmp_path / "c" / "y", games)  # the same split twice: not one eval per split
+    with pytest.raises(UserError, match="valid_seen/g0 is in both"):
+        game_outcomes(tmp_path / "c")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no episodes.jsonl"):
+        game_outcomes(tmp_path / "empty")
 
 
 def test_the_run_summary_says_whether_success_moved_beyond_noise():

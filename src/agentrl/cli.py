@@ -761,7 +761,7 @@ def report_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    a: Annotated[Path, typer.Argument(metavar="A", help="An `agentrl eval` output directory (or its episodes.jsonl): the reference.")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="An `agentrl eval` output directory (or its episodes.jsonl, or a directory of them, one per split): the reference.")],
     b: Annotated[list[Path], typer.Argument(metavar="B", help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
     out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
 ) -> None:

@@ -1,6 +1,8 @@
 """`agentrl compare A B`: two evals of the same games, paired.
 
-Each side is an `agentrl eval` output directory (or its episodes.jsonl). A game's outcome is
+Each side is an `agentrl eval` output directory (or its episodes.jsonl), or a directory of such
+directories, one per split (bench_learning's `eval/RUN/` holds valid_seen/ and valid_unseen/): its
+games are those of every split, each game named by split and id. A game's outcome is
 won (1) or lost (0); with several sampled episodes per game (`agentrl eval --samples N`) it is
 the share won. B may be several evals of the same games (one policy trained with several
 seeds): a game's outcome is then its mean over them. The comparison (agentrl.stats.paired):
@@ -20,30 +22,40 @@ from agentrl.io import atomic_write_json
 from agentrl.stats import paired
 
 
-def episodes_file(path: Path) -> Path:
-    f = path / "episodes.jsonl" if path.is_dir() else path
-    if not f.is_file():
-        raise UserError(f"{path}: no episodes.jsonl (give an `agentrl eval --out` directory or its episodes.jsonl)")
-    return f
+def episode_files(path: Path) -> list[Path]:
+    """The episodes.jsonl of one eval, or of each eval (split) directly under `path`."""
+    if path.is_file():
+        return [path]
+    if (path / "episodes.jsonl").is_file():
+        return [path / "episodes.jsonl"]
+    found = sorted(path.glob("*/episodes.jsonl")) if path.is_dir() else []
+    if not found:
+        raise UserError(f"{path}: no episodes.jsonl (give an `agentrl eval --out` directory, its episodes.jsonl, "
+                        "or a directory of them, one per split)")
+    return found
 
 
 def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
-    """({game id: share of its episodes won}, {game id: task type}) of one eval."""
+    """({game id: share of its episodes won}, {game id: task type}) of one eval (or of its splits)."""
     wins: dict[str, list[float]] = defaultdict(list)
     types: dict[str, str] = {}
-    f = episodes_file(path)
-    for n, line in enumerate(f.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            game = f"{row.get('split', '')}/{row['task_id']}"
-            wins[game].append(1.0 if row["won"] else 0.0)
-            types[game] = row.get("task_type", "")
-        except (ValueError, KeyError, TypeError):
-            raise UserError(f"{f}:{n}: not an episode row of `agentrl eval`") from None
+    first_seen: dict[str, Path] = {}
+    for f in episode_files(path):
+        for n, line in enumerate(f.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                game = f"{row.get('split', '')}/{row['task_id']}"
+                wins[game].append(1.0 if row["won"] else 0.0)
+                types[game] = row.get("task_type", "")
+            except (ValueError, KeyError, TypeError):
+                raise UserError(f"{f}:{n}: not an episode row of `agentrl eval`") from None
+            # one game in two evals of a directory would count twice as samples of one policy
+            if first_seen.setdefault(game, f) != f:
+                raise UserError(f"{path}: game {game} is in both {first_seen[game]} and {f} (one eval per split)")
     if not wins:
-        raise UserError(f"{f} holds no episodes")
+        raise UserError(f"{path} holds no episodes")
     return {g: sum(v) / len(v) for g, v in wins.items()}, types
 
 
