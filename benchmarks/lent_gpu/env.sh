@@ -1,0 +1,5 @@
+# Source on the lent GPU machine after install.sh (and measure.sh's unpacking): agentrl from src/
+# with the carried wheels, the jericho stub, the prepared model and the games.
+export PYTHONPATH=/tmp/site:$PWD/benchmarks/lent_gpu/stub:$PWD/src AGENTRL_CACHE=/tmp/st/cache
+export ALFWORLD_DATA=/tmp/data/alfworld PYTHONUNBUFFERED=1 COLUMNS=160
+agentrl() { python3 -c "from agentrl.cli import main; main()" "$@"; }
