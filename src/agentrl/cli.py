@@ -218,6 +218,9 @@ def print_summary(s: dict) -> None:
     )
     for e in s["errors"]:
         err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")
+    if s["overall"].get("env_errors"):
+        err.print(f"[yellow]{s['overall']['env_errors']} episode(s) the env could not run are left out of the "
+                  f"success rate and its interval ({s['overall']['episodes']} played)")
 
 
 # ---------------------------------------------------------------- rollout

@@ -47,6 +47,8 @@ def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
             try:
                 row = json.loads(line)
                 game = f"{row.get('split', '')}/{row['task_id']}"
+                if row.get("stop_reason") == "env_error":  # not played: no outcome to pair
+                    continue
                 wins[game].append(1.0 if row["won"] else 0.0)
                 types[game] = row.get("task_type", "")
             except (ValueError, KeyError, TypeError):
@@ -55,7 +57,7 @@ def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
             if first_seen.setdefault(game, f) != f:
                 raise UserError(f"{path}: game {game} is in both {first_seen[game]} and {f} (one eval per split)")
     if not wins:
-        raise UserError(f"{path} holds no episodes")
+        raise UserError(f"{path} holds no played episodes")
     return {g: sum(v) / len(v) for g, v in wins.items()}, types
 
 

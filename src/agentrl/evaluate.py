@@ -10,7 +10,8 @@ from agentrl.config import Config, effective_prompt
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
-from agentrl.rollout.trajectory import behaviour_metrics
+from agentrl.errors import RunError
+from agentrl.rollout.trajectory import behaviour_metrics, played
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
 from agentrl.stats import bootstrap_mean, wilson
@@ -39,7 +40,8 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
     for t in trajs:
         by_type[t.game.task_type].append(t)
 
-    def block(ts: list[Trajectory]) -> dict:
+    def block(all_ts: list[Trajectory]) -> dict:
+        ts = played(all_ts)  # an episode the env could not run is no outcome: not in n, won or the interval
         n, won = len(ts), sum(t.won for t in ts)
         return {
             "episodes": n,
@@ -51,7 +53,7 @@ def summarize(trajs: list[Trajectory], stats: RolloutStats, cfg: Config) -> dict
             "ci95": list(wilson(won, n) or (0.0, 0.0)) if not cfg.eval.samples else game_bootstrap(ts, cfg.seed),
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
-            "env_errors": sum(t.stop_reason == "env_error" for t in ts),
+            "env_errors": len(all_ts) - n,
             **{k: v for k, v in behaviour_metrics(ts).items() if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate")},
         }
 
@@ -128,6 +130,8 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
         if envs is not None:
             envs.shutdown()
     trajs, stats = rollout.trajectories, rollout.stats
+    if trajs and not played(trajs):  # a 0% success would be the env's failure, not the policy's
+        raise RunError(f"the env failed on all {len(trajs)} episodes, nothing was evaluated (first: {trajs[0].error})")
     summary = summarize(trajs, stats, cfg)
     if out is not None:
         rows = [t.summary() | {"responses": [s.response for s in t.steps]} for t in trajs]

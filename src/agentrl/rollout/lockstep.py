@@ -160,6 +160,12 @@ class Group:
         return len(set(self.rewards)) <= 1
 
     @property
+    def env_failed(self) -> bool:
+        """An env of the group failed (env_error): its rewards are not all the policy's doing, so
+        the group stays out of the loss."""
+        return any(t.stop_reason == "env_error" for t in self.trajectories)
+
+    @property
     def step_tokens(self) -> int:
         """Generated tokens, pruned trajectories included (they were paid for)."""
         return sum(sum(t.step_tokens) for t in self.trajectories + self.pruned)

@@ -115,6 +115,13 @@ class Trajectory:
         return out
 
 
+def played(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The trajectories the env let run. One whose env failed (a game that would not load, a worker
+    that died: `env_error`) is no outcome of the policy: success rates, their intervals and the
+    advantages leave it out, and say how many they left out."""
+    return [t for t in trajectories if t.stop_reason != "env_error"]
+
+
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success

@@ -177,13 +177,14 @@ class Advantage:
 
 
 def batch_advantages(groups, advantage: "str | Advantage" = "grpo", dapo_filter: bool = False) -> list[tuple[object, object]]:
-    """(trajectory, advantage) for every trajectory that reaches the loss: cut groups and groups a
-    selection stage excluded (`excluded_by`) never enter; with `dapo_filter` neither do the
-    remaining zero-variance groups (`agentrl train` applies that filter as a stage, select/dapo.py)."""
+    """(trajectory, advantage) for every trajectory that reaches the loss: cut groups, groups a
+    selection stage excluded (`excluded_by`) and groups an env failure touched (`env_failed`)
+    never enter; with `dapo_filter` neither do the remaining zero-variance groups (`agentrl
+    train` applies that filter as a stage, select/dapo.py)."""
     fn = advantage if isinstance(advantage, Advantage) else Advantage(advantage)
     out = []
     for g in groups:
-        if g.cut or getattr(g, "excluded_by", None) or (dapo_filter and g.zero_variance):
+        if g.cut or getattr(g, "excluded_by", None) or getattr(g, "env_failed", False) or (dapo_filter and g.zero_variance):
             continue
         out.extend(zip(g.trajectories, fn.of_group(g)))
     return out
@@ -200,7 +201,7 @@ def advantage_mass(groups, batch, fn: Advantage) -> dict:
     cut them; they ran to the end, so their advantages are known), and an estimate of the share
     of the iteration's advantage mass the gate dropped (the audited groups' mean mass per group
     stands in for every group the gate cut or would have cut)."""
-    kept = [g for g in groups if not g.cut and not g.excluded_by]
+    kept = [g for g in groups if not g.cut and not g.excluded_by and not g.env_failed]
     audited = [g for g in groups if g.excluded_by == "cut" and not g.cut]
     n_cut = sum(g.cut for g in groups)
     kept_sq = sum(_squared(t, a) for t, a in batch)

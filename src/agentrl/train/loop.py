@@ -5,7 +5,8 @@
                                                           # allocates), rollout: G per task in lockstep, the
                                                           # step stages (CUT gate, ARRoL) after env step K
         groups  = selection.keep(rollout, refill, B)      # filter: after-rollout stages (DAPO, with refill)
-        batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut and audited groups never enter
+        batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut, audited and
+                                                          # env-failed groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
         sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
@@ -42,7 +43,7 @@ from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_in_slices
-from agentrl.rollout.trajectory import behaviour_metrics, is_zero
+from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played
 from agentrl.sampling.base import SamplingParams
 from agentrl.stats import wilson
 from agentrl.train import checkpoint
@@ -102,6 +103,7 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "zero_variance_all_fail": sum(g.rewards[0] == 0 for g in zero_var),
         "zero_variance_all_success": sum(g.rewards[0] > 0 for g in zero_var),
         "zero_adv_fraction": float(np.mean([is_zero(a) for _, a in batch])) if batch else None,
+        "env_error_trajectories": sum(t.stop_reason == "env_error" for t in rollout.trajectories),
         "grad_l2_norm": stats.grad_l2_norm,
         "loss": stats.loss,
         "train_reward": float(np.mean(rewards)) if rewards else None,
@@ -181,15 +183,17 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     rollout = run_in_slices(games, slice_size(cfg, policy, len(games), t_max), policy=policy, max_steps=t_max,
                             fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
                             envs=envs)
+    ran = played(rollout.trajectories)  # a game the env could not run is left out, and counted
     by_type: dict[str, list[bool]] = {}
-    for t in rollout.trajectories:
+    for t in ran:
         by_type.setdefault(t.game.task_type, []).append(t.won)
-    won = [t.won for t in rollout.trajectories]
+    won = [t.won for t in ran]
     return {
         "kind": "eval", "iteration": iteration, "split": cfg.train.eval_split, "tasks": len(won),
+        "env_errors": len(rollout.trajectories) - len(ran),
         "success": float(np.mean(won)) if won else 0.0, "won": int(sum(won)),
         "ci95": list(wilson(int(sum(won)), len(won)) or (0.0, 0.0)),  # a 6-game eval reads as what it is
-        "outcomes": {t.game.game_id: int(t.won) for t in rollout.trajectories},  # per game: evals pair across iterations
+        "outcomes": {t.game.game_id: int(t.won) for t in ran},  # per game: evals pair across iterations
         "by_task_type": {k: {"episodes": len(v), "success": float(np.mean(v))} for k, v in sorted(by_type.items())},
         "eval_s": round(time.perf_counter() - t0, 4), "adapter_version": adapter_version,
         **{k: v for k, v in behaviour_metrics(rollout.trajectories).items() if k != "success_by_task_type"},
@@ -308,6 +312,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         groups = selection.keep(rollout, lambda n: rollout_of(selection.refill_tasks(tasks, n)), cfg.rollout.tasks)  # filter
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
+        check_env_failures(it, rollout, hooks.warn)
         batch = batch_advantages(groups, advantage)                                               # advantage
         hooks.phase("train")
         sampler.sleep()  # a colocated vLLM engine lends the GPU to the update; the swap wakes it
@@ -352,6 +357,21 @@ def check_served_version(it: int, rollout, expected: int, warn) -> None:
     if served - {expected}:
         warn(f"iteration {it}: rollouts used adapter version(s) {sorted(served)}, the learner is at "
              f"v{expected}: the sampler did not swap in the latest adapter")
+
+
+def check_env_failures(it: int, rollout, warn) -> None:
+    """Groups an env failure touched stay out of the loss (batch_advantages); an iteration whose
+    every env failed stops the run: it would otherwise go on 'training' on nothing."""
+    failed = [t for t in rollout.trajectories if t.stop_reason == "env_error"]
+    if not failed:
+        return
+    first = failed[0].error
+    if len(failed) == len(rollout.trajectories):
+        raise RunError(f"iteration {it}: the env failed on all {len(failed)} trajectories (first: {first}); "
+                       f"stopping, the run keeps its last checkpoint")
+    groups = sum(g.env_failed for g in rollout.groups)
+    warn(f"iteration {it}: the env failed on {len(failed)} trajectories; their {groups} group(s) stay out "
+         f"of the loss (first: {first})")
 
 
 def check_update(it: int, stats, gap_threshold: float, warn) -> None:
