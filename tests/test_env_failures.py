@@ -66,3 +66,19 @@ def test_training_keeps_env_failed_groups_out_of_the_loss_and_stops_when_all_fai
         check_env_failures(4, only_bad, warnings.append)
     check_env_failures(5, run_lockstep([good], WalkthroughPolicy(), max_steps=30), warnings.append)
     assert len(warnings) == 1  # nothing failed: nothing said
+
+
+def test_an_in_training_eval_on_which_every_env_failed_stops_the_run(tmp_path, games, tiny_model, tokenizer):
+    """The eval of `agentrl train` (iteration 0 runs before any rollout): a real tiny model behind
+    the hf sampler; the broken game fails at reset, before anything is generated."""
+    from agentrl.config import load_config
+    from agentrl.sampling.hf import HFSampler
+    from agentrl.train.loop import evaluate
+
+    bad = broken_game(tmp_path, games["look_at_obj_in_light"])
+    cfg = load_config(None, {"env.workers": 0, "train.eval_max_steps": 2})
+    sampler = HFSampler(tiny_model, tokenizer)
+    with pytest.raises(RunError, match="iteration 0: the env failed on all 1 held-out episodes, nothing was evaluated"):
+        evaluate(cfg, sampler, [bad], 0, 0)
+    row = evaluate(cfg, sampler, [bad, games["pick_and_place_simple"]], 1, 0)
+    assert row["tasks"] == 1 and row["env_errors"] == 1 and list(row["outcomes"]) == [games["pick_and_place_simple"].game_id]

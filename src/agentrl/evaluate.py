@@ -8,9 +8,9 @@ from pathlib import Path
 
 from agentrl.config import Config, effective_prompt
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
+from agentrl.errors import RunError
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
-from agentrl.errors import RunError
 from agentrl.rollout.trajectory import behaviour_metrics, played
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams

@@ -103,7 +103,7 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "zero_variance_all_fail": sum(g.rewards[0] == 0 for g in zero_var),
         "zero_variance_all_success": sum(g.rewards[0] > 0 for g in zero_var),
         "zero_adv_fraction": float(np.mean([is_zero(a) for _, a in batch])) if batch else None,
-        "env_error_trajectories": sum(t.stop_reason == "env_error" for t in rollout.trajectories),
+        "env_error_trajectories": len(rollout.trajectories) - len(played(rollout.trajectories)),
         "grad_l2_norm": stats.grad_l2_norm,
         "loss": stats.loss,
         "train_reward": float(np.mean(rewards)) if rewards else None,
@@ -184,6 +184,9 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
                             fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
                             envs=envs)
     ran = played(rollout.trajectories)  # a game the env could not run is left out, and counted
+    if rollout.trajectories and not ran:
+        raise RunError(f"iteration {iteration}: the env failed on all {len(rollout.trajectories)} held-out episodes, "
+                       f"nothing was evaluated (first: {rollout.trajectories[0].error})")
     by_type: dict[str, list[bool]] = {}
     for t in ran:
         by_type.setdefault(t.game.task_type, []).append(t.won)
