@@ -62,7 +62,7 @@ def test_training_keeps_env_failed_groups_out_of_the_loss_and_stops_when_all_fai
     assert len(warnings) == 1 and "the env failed on 2 trajectories; their 1 group(s) stay out of the loss" in warnings[0]
 
     only_bad = run_lockstep([bad], WalkthroughPolicy(), max_steps=30, group_size=2)
-    with pytest.raises(RunError, match="iteration 4: the env failed on all 2 trajectories"):
+    with pytest.raises(RunError, match="the env failed on all 2 trajectories of iteration 4"):
         check_env_failures(4, only_bad, warnings.append)
     check_env_failures(5, run_lockstep([good], WalkthroughPolicy(), max_steps=30), warnings.append)
     assert len(warnings) == 1  # nothing failed: nothing said
@@ -78,7 +78,7 @@ def test_an_in_training_eval_on_which_every_env_failed_stops_the_run(tmp_path, g
     bad = broken_game(tmp_path, games["look_at_obj_in_light"])
     cfg = load_config(None, {"env.workers": 0, "train.eval_max_steps": 2})
     sampler = HFSampler(tiny_model, tokenizer)
-    with pytest.raises(RunError, match="iteration 0: the env failed on all 1 held-out episodes, nothing was evaluated"):
+    with pytest.raises(RunError, match="the env failed on all 1 held-out episodes of iteration 0, nothing was evaluated"):
         evaluate(cfg, sampler, [bad], 0, 0)
     row = evaluate(cfg, sampler, [bad, games["pick_and_place_simple"]], 1, 0)
     assert row["tasks"] == 1 and row["env_errors"] == 1 and list(row["outcomes"]) == [games["pick_and_place_simple"].game_id]

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from agentrl.config import Config, effective_prompt
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
-from agentrl.errors import RunError
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout import ModelPolicy, RolloutStats, Trajectory, WalkthroughPolicy, run_in_slices
-from agentrl.rollout.trajectory import behaviour_metrics, played
+from agentrl.rollout.trajectory import behaviour_metrics, played, played_or_stop
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import SamplingParams
 from agentrl.stats import bootstrap_mean, wilson
@@ -130,8 +129,7 @@ def run_eval(cfg: Config, out: Path | None = None, games=None, policy=None, on_s
         if envs is not None:
             envs.shutdown()
     trajs, stats = rollout.trajectories, rollout.stats
-    if trajs and not played(trajs):  # a 0% success would be the env's failure, not the policy's
-        raise RunError(f"the env failed on all {len(trajs)} episodes, nothing was evaluated (first: {trajs[0].error})")
+    played_or_stop(trajs, "episodes, nothing was evaluated")
     summary = summarize(trajs, stats, cfg)
     if out is not None:
         rows = [t.summary() | {"responses": [s.response for s in t.steps]} for t in trajs]

@@ -122,6 +122,17 @@ def played(trajectories: list[Trajectory]) -> list[Trajectory]:
     return [t for t in trajectories if t.stop_reason != "env_error"]
 
 
+def played_or_stop(trajectories: list[Trajectory], what: str) -> list[Trajectory]:
+    """`played`, refusing in one line when the env ran none of them: a 0% would be the env's
+    failure, not the policy's (`what` names them, e.g. "iteration 3: ... trajectories")."""
+    ran = played(trajectories)
+    if trajectories and not ran:
+        from agentrl.errors import RunError
+
+        raise RunError(f"the env failed on all {len(trajectories)} {what} (first: {trajectories[0].error})")
+    return ran
+
+
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success

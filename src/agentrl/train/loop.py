@@ -43,7 +43,7 @@ from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import RunError, UserError
 from agentrl.rollout import ModelPolicy, run_in_slices
-from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played
+from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
 from agentrl.sampling.base import SamplingParams
 from agentrl.stats import wilson
 from agentrl.train import checkpoint
@@ -183,10 +183,7 @@ def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, 
     rollout = run_in_slices(games, slice_size(cfg, policy, len(games), t_max), policy=policy, max_steps=t_max,
                             fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
                             envs=envs)
-    ran = played(rollout.trajectories)  # a game the env could not run is left out, and counted
-    if rollout.trajectories and not ran:
-        raise RunError(f"iteration {iteration}: the env failed on all {len(rollout.trajectories)} held-out episodes, "
-                       f"nothing was evaluated (first: {rollout.trajectories[0].error})")
+    ran = played_or_stop(rollout.trajectories, f"held-out episodes of iteration {iteration}, nothing was evaluated")
     by_type: dict[str, list[bool]] = {}
     for t in ran:
         by_type.setdefault(t.game.task_type, []).append(t.won)
@@ -365,16 +362,12 @@ def check_served_version(it: int, rollout, expected: int, warn) -> None:
 def check_env_failures(it: int, rollout, warn) -> None:
     """Groups an env failure touched stay out of the loss (batch_advantages); an iteration whose
     every env failed stops the run: it would otherwise go on 'training' on nothing."""
-    failed = [t for t in rollout.trajectories if t.stop_reason == "env_error"]
-    if not failed:
-        return
-    first = failed[0].error
-    if len(failed) == len(rollout.trajectories):
-        raise RunError(f"iteration {it}: the env failed on all {len(failed)} trajectories (first: {first}); "
-                       f"stopping, the run keeps its last checkpoint")
-    groups = sum(g.env_failed for g in rollout.groups)
-    warn(f"iteration {it}: the env failed on {len(failed)} trajectories; their {groups} group(s) stay out "
-         f"of the loss (first: {first})")
+    failed = len(rollout.trajectories) - len(played_or_stop(
+        rollout.trajectories, f"trajectories of iteration {it}; stopping, the run keeps its last checkpoint"))
+    if failed:
+        first = next(t.error for t in rollout.trajectories if t.stop_reason == "env_error")
+        warn(f"iteration {it}: the env failed on {failed} trajectories; their {sum(g.env_failed for g in rollout.groups)} "
+             f"group(s) stay out of the loss (first: {first})")
 
 
 def check_update(it: int, stats, gap_threshold: float, warn) -> None:
