@@ -215,7 +215,7 @@ def test_the_clip_bounds_the_ratio():
     mask = torch.tensor([[0, 1, 1, 1]])
     loss, clipped = clipped_loss(logp, old, mask, torch.tensor([1.0]), eps, "seq-sum", n_total=1)
     r = torch.exp(logp.detach())[0]
-    assert float(loss) == pytest.approx(-(min(float(r[1]), 1.2) + float(r[2]) + float(r[3])))  # A>0: 1.65 -> 1.2; 0.61 kept (min)
+    assert loss.item() == pytest.approx(-(min(float(r[1]), 1.2) + float(r[2]) + float(r[3])))  # A>0: 1.65 -> 1.2; 0.61 kept (min)
     loss.backward()
     g = logp.grad[0]
     assert g[0] == 0 and g[1] == 0  # masked; clipped above (no gradient pushes r further up)
