@@ -1,32 +1,35 @@
 """The learner's memory: one forward + backward of a micro-batch, as `agentrl train` runs it, with
 glibc's dynamic mmap threshold (Python's default) vs agentrl's fixed one (procmem.py), with and
-without gradient checkpointing, next to agentrl's estimate (train/memory.py). A script, not a test.
+without torch's transparent huge pages for large tensors (THP_MEM_ALLOC_ENABLE), with and without
+gradient checkpointing, next to agentrl's estimate (train/memory.py). A script, not a test.
 
 Each arm runs in a fresh process (peak RSS is per process): the default model with a LoRA on
 every linear layer (r 32), `rows` x `tokens` random token ids, the loss's log-probs, backward.
-Printed: peak RSS above the loaded model, the estimate, the time of the forward + backward, and
-the ratios of each arm to the first.
+Printed: peak RSS above the loaded model, the estimate, the time of the forward + backward, the
+page faults and kernel CPU time of the two passes, and the ratios of each arm to the first.
 
 Usage:
     python benchmarks/bench_memory.py                    # 2 rows x 2048 tokens (learning.yaml's micro-batch)
     python benchmarks/bench_memory.py --rows 1 --tokens 1024
+    python benchmarks/bench_memory.py --arms fixed,fixed+thp   # some arms (each with checkpointing off and on)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
 import time
 
-ARMS = [("dynamic", False), ("fixed", False), ("dynamic", True), ("fixed", True)]
+MODES = ("dynamic", "fixed", "fixed+thp", "dynamic+thp")  # malloc threshold, +thp: torch's THP_MEM_ALLOC_ENABLE=1
 
 CHILD = r"""
 import json, resource, sys, time, torch
 mode, gc, rows, tokens = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
-if mode == "fixed":
+if mode.startswith("fixed"):
     from agentrl.procmem import return_freed_memory
     assert return_freed_memory()
 from agentrl.config import LearnerConfig
@@ -42,13 +45,16 @@ def hwm_mib():
 def rss_mib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
 base = rss_mib()
+ru0 = resource.getrusage(resource.RUSAGE_SELF)
 times = []
 for _ in range(2):  # the second pass meets the heap the first one left
     t = time.perf_counter()
     token_logprobs(learner.model, ids, torch.ones_like(ids)).sum().backward()
     times.append(time.perf_counter() - t)
     learner.model.zero_grad(set_to_none=True)
-print(json.dumps({"peak_mib": hwm_mib() - base, "after_mib": rss_mib() - base, "s": times}))
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"peak_mib": hwm_mib() - base, "after_mib": rss_mib() - base, "s": times,
+                  "minflt": ru.ru_minflt - ru0.ru_minflt, "sys_s": ru.ru_stime - ru0.ru_stime}))
 """
 
 
@@ -56,7 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--arms", default="dynamic,fixed", help=f"malloc modes, each with checkpointing off and on: {', '.join(MODES)}")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.arms.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        sys.exit(f"--arms: unknown mode {bad[0]!r} (one of {', '.join(MODES)})")
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
     from transformers import AutoConfig
 
@@ -67,16 +77,18 @@ def main() -> None:
     lora = 16 * memory.lora_params(config, 32, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     print(f"{args.rows} rows x {args.tokens} tokens, default model fp32, LoRA r32 on every linear layer; "
           f"torch {__import__('torch').__version__}, {os.cpu_count()} cores")
-    print(f"| malloc threshold | gradient checkpointing | peak RSS above the model (MiB) | RSS left after (MiB) | "
-          f"agentrl's estimate (MiB) | forward+backward (s, 1st / 2nd) | peak vs first arm | time vs first arm |")
-    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    print(f"| malloc | gradient checkpointing | peak RSS above the model (MiB) | RSS left after (MiB) | "
+          f"agentrl's estimate (MiB) | forward+backward (s, 1st / 2nd) | page faults | kernel CPU (s) | peak vs first arm | time vs first arm |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     first = None
     env = os.environ.copy()
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env["AGENTRL_MALLOC"] = ""
-    for mode, gc in ARMS:
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    for gc, mode in itertools.product((False, True), modes):
+        child_env = {**env, "THP_MEM_ALLOC_ENABLE": "1"} if mode.endswith("+thp") else env
         p = subprocess.run([sys.executable, "-c", CHILD, mode, "1" if gc else "0", str(args.rows), str(args.tokens)],
-                           capture_output=True, text=True, env=env)
+                           capture_output=True, text=True, env=child_env)
         if p.returncode != 0:
             sys.exit(p.stderr[-2000:])
         r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -84,7 +96,7 @@ def main() -> None:
                + args.rows * min(512, args.tokens) * config.vocab_size * 4 * memory.LOGIT_COPIES + lora) / (1 << 20)
         first = first or r
         print(f"| {mode} | {'on' if gc else 'off'} | {r['peak_mib']:.0f} | {r['after_mib']:.0f} | {est:.0f} | "
-              f"{r['s'][0]:.1f} / {r['s'][1]:.1f} | {r['peak_mib'] / first['peak_mib']:.2f}x | "
+              f"{r['s'][0]:.1f} / {r['s'][1]:.1f} | {r['minflt']:,} | {r['sys_s']:.1f} | {r['peak_mib'] / first['peak_mib']:.2f}x | "
               f"{sum(r['s']) / sum(first['s']):.2f}x |", flush=True)
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')}")
 
