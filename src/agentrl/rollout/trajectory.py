@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from agentrl.env.data import Game
+from agentrl.errors import RunError
 
 
 @dataclass
@@ -127,8 +128,6 @@ def played_or_stop(trajectories: list[Trajectory], what: str) -> list[Trajectory
     failure, not the policy's (`what` names them, e.g. "iteration 3: ... trajectories")."""
     ran = played(trajectories)
     if trajectories and not ran:
-        from agentrl.errors import RunError
-
         raise RunError(f"the env failed on all {len(trajectories)} {what} (first: {trajectories[0].error})")
     return ran
 

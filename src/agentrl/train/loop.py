@@ -362,12 +362,11 @@ def check_served_version(it: int, rollout, expected: int, warn) -> None:
 def check_env_failures(it: int, rollout, warn) -> None:
     """Groups an env failure touched stay out of the loss (batch_advantages); an iteration whose
     every env failed stops the run: it would otherwise go on 'training' on nothing."""
-    failed = len(rollout.trajectories) - len(played_or_stop(
-        rollout.trajectories, f"trajectories of iteration {it}; stopping, the run keeps its last checkpoint"))
+    played_or_stop(rollout.trajectories, f"trajectories of iteration {it}; stopping, the run keeps its last checkpoint")
+    failed = [t for t in rollout.trajectories if t.stop_reason == "env_error"]
     if failed:
-        first = next(t.error for t in rollout.trajectories if t.stop_reason == "env_error")
-        warn(f"iteration {it}: the env failed on {failed} trajectories; their {sum(g.env_failed for g in rollout.groups)} "
-             f"group(s) stay out of the loss (first: {first})")
+        warn(f"iteration {it}: the env failed on {len(failed)} trajectories; their {sum(g.env_failed for g in rollout.groups)} "
+             f"group(s) stay out of the loss (first: {failed[0].error})")
 
 
 def check_update(it: int, stats, gap_threshold: float, warn) -> None:
