@@ -11,19 +11,18 @@ import pytest
 from agentrl.config import load_config
 from agentrl.env.data import Game
 from agentrl.errors import UserError
-from agentrl.rollout.gate import parse_gate
 from agentrl.rollout.lockstep import Group
 from agentrl.rollout.signals import SIGNALS
 from agentrl.rollout.trajectory import Trajectory
 from agentrl.select.auto_gate import AutoThreshold, Label, fit_threshold, read_warmup, wilson
-from agentrl.select.cut import CutStage
-from agentrl.specs import SIGNAL_NAMES
+from agentrl.select.cut import CutStage, gate_rule
+from agentrl.specs import SIGNAL_NAMES, parse_gate
 
 
 def test_the_spec_names_a_signal_and_starts_cutting_nothing():
     g = parse_gate("10,auto")
     assert g.auto and g.K == 10 and g.d_L == 0.0 and g.signal == "prefix_edit_distance_mean"
-    assert not g.fires({"prefix_edit_distance_mean": 0.0, "termination_fraction": 0.0})  # 0 < 0 is false
+    assert not gate_rule(g).fires({"prefix_edit_distance_mean": 0.0, "termination_fraction": 0.0})  # 0 < 0 is false
     assert parse_gate("5, auto:entropy").signal == "action_entropy"
     tau = parse_gate("3,auto:tau")  # termination_fraction: converged when high, so the score is 1 - tau
     assert tau.signal == "termination_fraction"
@@ -145,7 +144,7 @@ def auto_cfg(**over):
 
 def test_the_stage_cuts_only_after_it_has_labels_and_audits_what_it_cuts():
     cfg = auto_cfg()
-    stage = CutStage(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)
+    stage = CutStage.from_spec(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)
     first = iteration(stage, 1)
     assert not any(g.cut or g.audited for g in first)  # no labels yet: nothing cut, nothing audited
     rep = stage.stats().extra["auto"]
@@ -159,12 +158,12 @@ def test_the_stage_cuts_only_after_it_has_labels_and_audits_what_it_cuts():
     # labels: 80 + the 56 groups it let run + the audited ones (weight 4 each)
     assert rep["labelled"] == 80 + 56 + len(audited) and rep["audited"] == len(audited)
     assert rep["precision_audit"] == 1.0 and rep["precision_audit_ci95"][1] == 1.0
-    assert sum(lb.weight for lb in stage.threshold.labels) == 80 + 56 + 4 * len(audited)
+    assert sum(lb.weight for lb in stage.rule.threshold.labels) == 80 + 56 + 4 * len(audited)
 
 
 def test_the_stage_state_round_trips_and_continues_identically():
     cfg = auto_cfg()
-    make = lambda: CutStage(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)  # noqa: E731
+    make = lambda: CutStage.from_spec(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)  # noqa: E731
     straight, resumed = make(), make()
     for it in (1, 2):
         iteration(straight, it)
@@ -174,7 +173,7 @@ def test_the_stage_state_round_trips_and_continues_identically():
     state = json.loads(json.dumps(resumed.state_dict()))  # what a checkpoint stores
     fresh = make()
     fresh.load_state_dict(state)
-    assert fresh.gate == straight.gate
+    assert fresh.rule.d_L == straight.rule.d_L and str(fresh.rule) == str(straight.rule)
     a, b = iteration(straight, 3), iteration(fresh, 3)
     assert [(g.cut, g.audited) for g in a] == [(g.cut, g.audited) for g in b]
     assert straight.stats().extra["auto"] == fresh.stats().extra["auto"]
@@ -203,7 +202,7 @@ def test_warmup_labels_come_from_a_groups_table(tmp_path):
     labels = read_warmup(csv, 10, "prefix_edit_distance_mean")
     assert len(labels) == 29 and sum(lb.zero for lb in labels) == 10  # K=10 rows; the cut group has no label
     cfg = auto_cfg(**{"gate.warmup": str(csv), "rollout.gate": "10,auto", "env.max_steps": 30, "gate.min_labels": 20})
-    stage = CutStage(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)
-    assert 9 / 30 < stage.gate.d_L < 10 / 30  # fitted before the first iteration
+    stage = CutStage.from_spec(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)
+    assert 9 / 30 < stage.rule.d_L < 10 / 30  # fitted before the first iteration
     with pytest.raises(UserError, match="no uncut group at K=3"):
         read_warmup(csv, 3, "prefix_edit_distance_mean")

@@ -122,9 +122,9 @@ def test_bad_training_settings(overrides, message):
 
 
 def test_gate_default_is_the_paper_operating_point():
-    from agentrl.rollout.gate import Gate
+    from agentrl.specs import GateSpec
 
-    assert load_config().rollout.parsed_gate() == Gate(10, 0.12)
+    assert load_config().rollout.parsed_gate() == GateSpec(10, 0.12)
     assert load_config(None, {"rollout.gate": "off"}).rollout.parsed_gate() is None
 
 

@@ -9,8 +9,9 @@ import pytest
 
 from agentrl.config import Config, LearnerConfig
 from agentrl.errors import UserError
-from agentrl.rollout.gate import Gate
 from agentrl.rollout.signals import SIGNALS
+from agentrl.select.gate_rule import Threshold
+from agentrl.specs import GateSpec
 from agentrl.train.offpolicy import (
     action_spans,
     build_batch,
@@ -38,7 +39,7 @@ GROUPS = {
     "t3": ([1, 0, 1, 0], 0.12, False),  # exactly d_L: strict, not cut
     "t4": ([0, 0, 0, 0], 0.0, True),  # cut in the buffer: skipped
 }
-GATE = Gate(2, 0.12)
+GATE = Threshold(2, 0.12)
 
 
 def encode(tokenizer, n_replies, variant=0):
@@ -236,7 +237,7 @@ def test_ab_gated_arm_drops_low_d_K_groups_on_the_same_sequence(tmp_path, tokeni
 def test_ab_arms_start_identical(tmp_path, tokenizer, tiny_model):
     """With a gate that never fires, both arms do the same work from the same start: same losses and norms."""
     buf = load_buffer(write_buffer(tmp_path, tokenizer))
-    rep = run_offpolicy_ab(config(seed=5), buf, steps=2, groups_per_step=2, positions=1, gate=Gate(2, 0.0),
+    rep = run_offpolicy_ab(config(seed=5), buf, steps=2, groups_per_step=2, positions=1, gate=GateSpec(2, 0.0),
                            model_loader=loader(tiny_model))
     base, gated = rep["arms"]["baseline"]["per_step"], rep["arms"]["gated"]["per_step"]
     assert [r["items"] for r in base] == [r["items"] for r in gated]

@@ -1,8 +1,10 @@
 """Group rollouts + gate on real games, driven by scripted policies (no model needed)."""
 
-from agentrl.rollout import Gate, run_lockstep
+from agentrl.rollout import run_lockstep
 from agentrl.rollout.lockstep import action_symbol
 from agentrl.select.cut import CutStage  # the gate is a step stage the caller passes
+from agentrl.select.dapo import DapoFilter
+from agentrl.select.gate_rule import Threshold
 
 
 class Scripted:
@@ -35,7 +37,7 @@ def wander(traj, step):
 def test_converged_group_is_cut_at_K(games):
     policy = Scripted(look_everyone)
     rollout = run_lockstep([games["pick_and_place_simple"]], policy, max_steps=6, group_size=4,
-                           stages=[CutStage(Gate(2, 0.12))], signal_steps=(1, 2, 4))
+                           stages=[CutStage(Threshold(2, 0.12))], signal_steps=(1, 2, 4))
     (group,) = rollout.groups
     assert group.cut and group.cut_step == 2
     assert group.signals[2]["prefix_edit_distance_mean"] == 0.0
@@ -50,7 +52,7 @@ def test_only_converged_groups_are_cut_and_groups_share_each_generate_call(games
 
     policy = Scripted(script)
     rollout = run_lockstep([games["pick_and_place_simple"], games["pick_two_obj_and_place"]], policy,
-                           max_steps=5, group_size=3, stages=[CutStage(Gate(2, 0.12))], signal_steps=(2, 5))
+                           max_steps=5, group_size=3, stages=[CutStage(Threshold(2, 0.12))], signal_steps=(2, 5))
     converged, diverse = rollout.groups
     assert converged.cut and not diverse.cut
     assert diverse.signals[2]["prefix_edit_distance_mean"] > 0.12 and 5 in diverse.signals
@@ -64,7 +66,7 @@ def test_only_converged_groups_are_cut_and_groups_share_each_generate_call(games
 def test_gate_off_never_cuts_and_same_seed_prefixes_match(games):
     game = games["pick_and_place_simple"]
     base = run_lockstep([game], Scripted(look_everyone), max_steps=4, group_size=3, signal_steps=(2,))
-    gated = run_lockstep([game], Scripted(look_everyone), max_steps=4, group_size=3, stages=[CutStage(Gate(2, 0.5))])
+    gated = run_lockstep([game], Scripted(look_everyone), max_steps=4, group_size=3, stages=[CutStage(Threshold(2, 0.5))])
     assert not base.groups[0].cut and gated.groups[0].cut
     for a, b in zip(base.trajectories, gated.trajectories):
         assert [action_symbol(s) for s in a.steps[:2]] == [action_symbol(s) for s in b.steps[:2]]
@@ -80,7 +82,7 @@ def test_trajectories_that_won_before_K_count_as_finished(games):
         return w[step] if traj.game is won_early else "look"
 
     rollout = run_lockstep([won_early, running], Scripted(script), max_steps=8, group_size=3,
-                           stages=[CutStage(Gate(5, 0.12))], signal_steps=(5,))
+                           stages=[CutStage(Threshold(5, 0.12))], signal_steps=(5,))
     done, live = rollout.groups
     assert done.signals[5]["termination_fraction"] == 1.0 and done.signals[5]["prefix_edit_distance_mean"] == 0.0
     assert not done.cut  # finished before K: nothing to save, the gate leaves it (and its wins) alone
@@ -95,12 +97,12 @@ def test_cut_groups_never_reach_the_advantage(games):
         return "look" if traj.game.task_type == "pick_and_place_simple" else wander(traj, step)
 
     rollout = run_lockstep([games["pick_and_place_simple"], games["pick_two_obj_and_place"]], Scripted(script),
-                           max_steps=3, group_size=2, stages=[CutStage(Gate(2, 0.12))])
+                           max_steps=3, group_size=2, stages=[CutStage(Threshold(2, 0.12))])
     converged, diverse = rollout.groups
     assert converged.cut and not diverse.cut
     batch = batch_advantages(rollout.groups)
     assert {id(t) for t, _ in batch} == {id(t) for t in diverse.trajectories}
-    assert batch_advantages(rollout.groups, dapo_filter=True) == []  # the survivor is all-fail: zero variance
+    assert batch_advantages(DapoFilter().keep(rollout.groups)) == []  # the survivor is all-fail: zero variance
 
 
 def test_group_advantages_eq1():

@@ -10,12 +10,12 @@ import pytest
 from agentrl.config import load_config
 from agentrl.env.data import Game
 from agentrl.errors import UserError
-from agentrl.rollout.gate import Gate
 from agentrl.rollout.lockstep import Group, Rollout, RolloutStats
 from agentrl.rollout.trajectory import Trajectory
 from agentrl.select import STAGES, stage_names
 from agentrl.select.cut import CutStage
 from agentrl.select.dapo import DapoFilter
+from agentrl.select.gate_rule import Threshold
 from agentrl.select.selection import Selection, merge_group
 from agentrl.train.advantage import batch_advantages
 
@@ -42,7 +42,7 @@ def finish(grp: Group, wins: list[bool]) -> Group:
 
 
 def test_cut_fires_below_d_L_and_leaves_finished_groups_alone():
-    stage = CutStage(Gate(2, 0.12))
+    stage = CutStage(Threshold(2, 0.12))
     converged, diverse, done = group(0, [None] * 4, d_K=0.05), group(1, [None] * 4, d_K=0.3), group(2, [True] * 4, d_K=0.0)
     for g in (converged, diverse, done):
         stage.at_step(2, g)
@@ -57,7 +57,7 @@ def test_cut_fires_below_d_L_and_leaves_finished_groups_alone():
 
 
 def test_the_audit_lets_its_share_run_on_out_of_the_loss_and_measures_precision_and_recall():
-    stage = CutStage(Gate(2, 0.12), audit=0.25, seed=7)
+    stage = CutStage(Threshold(2, 0.12), audit=0.25, seed=7)
     stage.begin(1)
     groups = [group(i, [None] * 4, d_K=0.0) for i in range(400)]
     for g in groups:
@@ -76,7 +76,7 @@ def test_the_audit_lets_its_share_run_on_out_of_the_loss_and_measures_precision_
     would_cut_zero = st.precision * 400
     assert st.extra["recall_est"] == pytest.approx(would_cut_zero / (would_cut_zero + 10))
     assert batch_advantages(audited) == []  # the audit never changes what is trained
-    again = CutStage(Gate(2, 0.12), audit=0.25, seed=7)
+    again = CutStage(Threshold(2, 0.12), audit=0.25, seed=7)
     again.begin(1)
     twins = [group(i, [None] * 4, d_K=0.0) for i in range(400)]
     for g in twins:

@@ -3,8 +3,9 @@ import math
 import pytest
 
 from agentrl.errors import UserError
-from agentrl.rollout.gate import Gate, parse_gate
 from agentrl.rollout.signals import SIGNALS, compute_signals, d_K
+from agentrl.select.gate_rule import Threshold
+from agentrl.specs import GateSpec, parse_gate
 
 
 def test_identical_prefixes_are_zero():
@@ -60,7 +61,7 @@ def test_values_in_unit_interval():
 
 
 def test_gate_fires_strictly_below_d_L():
-    gate = Gate(10, 0.25)
+    gate = Threshold(10, 0.25)
     base = {"termination_fraction": 0.0}
     assert gate.fires(base | {"prefix_edit_distance_mean": 0.2499})
     assert not gate.fires(base | {"prefix_edit_distance_mean": 0.25})  # exactly d_L: no cut
@@ -68,7 +69,7 @@ def test_gate_fires_strictly_below_d_L():
 
 
 def test_or_rule():
-    gate = Gate(10, 0.12, tau_H=0.9)
+    gate = Threshold(10, 0.12, tau_H=0.9)
     assert gate.fires({"prefix_edit_distance_mean": 0.5, "termination_fraction": 0.9})
     assert not gate.fires({"prefix_edit_distance_mean": 0.5, "termination_fraction": 0.875})
 
@@ -86,8 +87,8 @@ def test_gate_out_of_range(spec, message):
 
 
 def test_parse_gate():
-    assert parse_gate("10,0.12") == Gate(10, 0.12)
-    assert parse_gate(" 5 , .3 ", tau_H=0.9) == Gate(5, 0.3, 0.9)
+    assert parse_gate("10,0.12") == GateSpec(10, 0.12)
+    assert parse_gate(" 5 , .3 ", tau_H=0.9) == GateSpec(5, 0.3, 0.9)
     assert parse_gate("off") is None and parse_gate(None) is None
     with pytest.raises(UserError, match="needs a gate"):
         parse_gate("off", tau_H=0.9)

@@ -19,10 +19,11 @@ from agentrl.config import Config
 from agentrl.env import env_factory, find_games, prompt_options
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
-from agentrl.rollout import SIGNALS, Gate, ModelPolicy, Rollout, merge_rollouts, run_lockstep
+from agentrl.rollout import SIGNALS, ModelPolicy, Rollout, merge_rollouts, run_lockstep
 from agentrl.sampling import make_sampler
 from agentrl.stats import wilson
 from agentrl.select.cut import CutStage
+from agentrl.specs import GateSpec
 from agentrl.sampling.base import SamplingParams
 
 GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated", "step_tokens"]
@@ -69,9 +70,9 @@ def round_size(cfg: Config, tasks: int) -> int:
     return -(-tasks // cfg.rollout.rounds)
 
 
-def make_cut_stage(cfg: Config, gate: Gate | None) -> CutStage | None:
+def make_cut_stage(cfg: Config, gate: GateSpec | None) -> CutStage | None:
     """The gate as a stage, with the run's audit rate (an auto gate's labels)."""
-    return CutStage(gate, cfg.select.gate_audit, cfg.seed, cfg.gate) if gate is not None else None
+    return CutStage.from_spec(gate, cfg.select.gate_audit, cfg.seed, cfg.gate) if gate is not None else None
 
 
 def groups_table(rollout: Rollout) -> list[dict]:
@@ -129,7 +130,7 @@ class Tier1:
     report: dict
 
 
-def tier1_report(baseline: Rollout, gated: Rollout, gate: Gate, seed: int, resamples: int = 1000) -> dict:
+def tier1_report(baseline: Rollout, gated: Rollout, gate: GateSpec, seed: int, resamples: int = 1000) -> dict:
     """Table 3 analogue. A cut is correct when the matched baseline group is zero-variance."""
     pairs = list(zip(baseline.groups, gated.groups))
     assert all(b.game.game_id == g.game.game_id for b, g in pairs)
@@ -230,7 +231,7 @@ def _auto_line(a: dict) -> str:
             f"{fit}); live precision: {prec}.")
 
 
-def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None, envs=None) -> Tier1:
+def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: GateSpec, progress=None, envs=None) -> Tier1:
     """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
     policy.sampler.generate([policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids],
                             SamplingParams(0.0, 1.0, 2))
@@ -238,8 +239,8 @@ def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: Gate, progress=None
     stage = make_cut_stage(cfg, gate)
     gated = roll_rounds(cfg, games, policy, stage, progress, envs, "gated")
     report = tier1_report(baseline, gated, gate, cfg.seed)
-    if stage.threshold is not None:  # the auto gate: the d_L it ended with, its labels, its audit
-        report["auto"] = stage.threshold.report()
+    if (learned := stage.rule.report()) is not None:  # the auto gate: the d_L it ended with, its labels, its audit
+        report["auto"] = learned
     return Tier1(baseline, gated, report)
 
 

@@ -1,12 +1,13 @@
 """The config's string settings parsed and checked: the gate spec (`K,d_L`) and the `--select`
-stage list. The bottom layer, beside config: config validates with these, and the rollout
-(`agentrl.rollout.gate`) and selection (`agentrl.select`) packages re-export them, so the config
-tree imports nothing above it."""
+stage list. The bottom layer, beside config: config validates with these, so the config tree
+imports nothing above it. A spec is a plain record; what decides (the gate's rule) lives in
+`agentrl.select.gate_rule`, and the selection package (`agentrl.select`) re-exports the stage list."""
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agentrl.errors import UserError
@@ -23,14 +24,17 @@ _SHORT = {"d_k": "prefix_edit_distance_mean", "bigram": "action_bigram_jaccard_m
           "tau": "termination_fraction"}
 
 
-def convergence_score(signal: str, signals: dict[str, float]) -> float:
-    """The value the gate compares with its threshold (lower = more converged)."""
+def convergence_score(signal: str, signals: Mapping[str, float]) -> float:
+    """The value a threshold rule compares with d_L (lower = more converged)."""
     v = signals[signal]
     return 1.0 - v if signal == "termination_fraction" else v
 
 
 @dataclass(frozen=True)
-class Gate:
+class GateSpec:
+    """`--gate K,d_L | K,auto[:SIGNAL]` (and `--gate-or-tau`) parsed and checked: a plain record.
+    The decision itself is a rule (`agentrl.select.gate_rule`) built from it."""
+
     K: int
     d_L: float
     tau_H: float | None = None  # OR-rule threshold on termination_fraction; None = off
@@ -47,21 +51,22 @@ class Gate:
         if self.signal not in SIGNAL_NAMES:
             raise UserError(f"unknown gate signal {self.signal!r}; choose from {', '.join(SIGNAL_NAMES)}")
 
-    def fires(self, signals: dict[str, float]) -> bool:
-        if convergence_score(self.signal, signals) < self.d_L:
-            return True
-        return self.tau_H is not None and signals["termination_fraction"] >= self.tau_H
-
     def __str__(self) -> str:
-        if self.auto:
-            head = f"{self.K},auto" + ("" if self.signal == SIGNAL_NAMES[0] else f":{self.signal}") + f" (d_L {self.d_L:.3g})"
-        else:
-            head = f"{self.K},{self.d_L:g}"
-        return head + (f" or tau>={self.tau_H:g}" if self.tau_H is not None else "")
+        return gate_text(self.K, self.d_L, self.tau_H, self.auto, self.signal)
 
 
-def parse_gate(spec: str | None, tau_H: float | None = None) -> Gate | None:
-    """'K,d_L' -> Gate; 'K,auto' or 'K,auto:SIGNAL' -> an auto gate (cuts nothing until fitted);
+def gate_text(K: int, d_L: float, tau_H: float | None, auto: bool = False, signal: str = SIGNAL_NAMES[0]) -> str:
+    """How a gate reads in reports and on the console: `K,d_L`, or `K,auto[:SIGNAL] (d_L x)` with
+    the threshold in force, plus ` or tau>=t` with the OR-rule."""
+    if auto:
+        head = f"{K},auto" + ("" if signal == SIGNAL_NAMES[0] else f":{signal}") + f" (d_L {d_L:.3g})"
+    else:
+        head = f"{K},{d_L:g}"
+    return head + (f" or tau>={tau_H:g}" if tau_H is not None else "")
+
+
+def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
+    """'K,d_L' -> GateSpec; 'K,auto' or 'K,auto:SIGNAL' -> an auto gate (cuts nothing until fitted);
     'off' / None -> no gate."""
     if spec is None or spec.strip().lower() in ("off", "none", ""):
         if tau_H is not None:
@@ -74,11 +79,11 @@ def parse_gate(spec: str | None, tau_H: float | None = None) -> Gate | None:
         if name not in SIGNAL_NAMES:
             raise UserError(f"unknown gate signal {auto.group(2)!r} in {spec!r}; choose from "
                             f"{', '.join(SIGNAL_NAMES)} (or d_K, bigram, prefixes, actions, entropy, obs, tau)")
-        return Gate(int(auto.group(1)), 0.0, tau_H, auto=True, signal=name)
+        return GateSpec(int(auto.group(1)), 0.0, tau_H, auto=True, signal=name)
     m = _SPEC.match(spec)
     if not m:
         raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12), K,auto or off")
-    return Gate(int(m.group(1)), float(m.group(2)), tau_H)
+    return GateSpec(int(m.group(1)), float(m.group(2)), tau_H)
 
 
 # every stage, in the order the loop applies them (by stage point: before, step, after)

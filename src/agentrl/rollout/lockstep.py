@@ -21,7 +21,7 @@ from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
-from agentrl.rollout.signals import command_symbol, compute_signals
+from agentrl.rollout.signals import Trace, command_symbol, signals_at
 from agentrl.rollout.trajectory import Step, Trajectory, window
 from agentrl.sampling.base import Sampler, SamplingParams
 
@@ -205,12 +205,9 @@ def action_symbol(step: Step) -> str:
 
 
 def group_signals(group: Group, K: int) -> dict[str, float]:
-    """The seven signals from the state of the group's trajectories at step K."""
-    trajs = group.trajectories
-    actions = [[action_symbol(s) for s in t.steps[:K]] for t in trajs]
-    observations = [t.steps[min(K, len(t.steps)) - 1].observation if t.steps else t.initial_observation for t in trajs]
-    finished = [t.done and len(t.steps) <= K and t.stop_reason != "gate_cut" for t in trajs]
-    return compute_signals(actions, observations, finished)
+    """The seven signals from the state of the group's trajectories at step K (the one definition
+    Tier 2 also reads its buffer with: `signals.signals_at`)."""
+    return signals_at([Trace.of(t) for t in group.trajectories], K)
 
 
 def run_lockstep(

@@ -3,16 +3,23 @@
 Each is computed over the G partial trajectories of one task. A trajectory that finished
 before K keeps its actual (shorter) prefix; its last action and observation stand for
 a_{i,K} and o_{i,K}. All values lie in [0, 1].
+
+One definition for every tier: `signals_at(traces, K)` reads a `Trace` per trajectory, built
+from a live trajectory during the rollout (Tiers 1 and 3, `Trace.of`) or from its
+trajectories.jsonl record (Tier 2's buffer), and applies the one "finished by K" rule.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import combinations
 
 from rapidfuzz.distance import Levenshtein
 
+from agentrl.rollout.trajectory import Trajectory
 from agentrl.specs import SIGNAL_NAMES
 
 SIGNALS = SIGNAL_NAMES  # named once, at the bottom layer (config parses `K,auto:SIGNAL`)
@@ -59,3 +66,45 @@ def compute_signals(actions: list[list[str]], observations: list[str], finished:
 def command_symbol(command: str | None, action: str | None) -> str:
     """One symbol of the edit distance: the admissible command, or the invalid text marked as such."""
     return command if command is not None else f"invalid:{action or ''}"
+
+
+# the stop reasons an env step sets (at the step that ended the episode); every other one
+# (env_error, context_full, gate_cut, pruned) is set before a step that never happened
+ENDED_BY_STEP = ("won", "lost", "max_steps")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What the signals read of one trajectory: one action symbol (`command_symbol`) and one
+    observation per env step taken, the first observation, and why it stopped (None: running)."""
+
+    symbols: Sequence[str]
+    observations: Sequence[str]
+    initial_observation: str
+    stop_reason: str | None
+
+    @classmethod
+    def of(cls, traj: Trajectory) -> "Trace":
+        """A trajectory as it stands now (during the rollout: its steps so far)."""
+        return cls([command_symbol(s.command, s.action) for s in traj.steps], [s.observation for s in traj.steps],
+                   traj.initial_observation, traj.stop_reason)
+
+    def finished_by(self, K: int) -> bool:
+        """It had finished when step K was taken: it stopped with fewer than K steps, or its step K
+        ended it. Read the same from a live trajectory at K and from its finished record (a
+        trajectory whose env failed, or whose context filled, after step K had not finished at K).
+        A gate cut is the gate's doing, not the trajectory's: never finished."""
+        n, why = len(self.symbols), self.stop_reason
+        if why is None or why == "gate_cut":
+            return False
+        return n < K or (n == K and why in ENDED_BY_STEP)
+
+
+def signals_at(traces: Sequence[Trace], K: int) -> dict[str, float]:
+    """The seven signals of a group at step K (K >= 1) from its trajectories' traces: the action
+    prefixes up to K, the observation after step K (the last one of a shorter trajectory; the
+    first observation before any step) and which had finished by K."""
+    actions = [list(t.symbols[:K]) for t in traces]
+    observations = [t.observations[min(K, len(t.observations)) - 1] if t.observations else t.initial_observation
+                    for t in traces]
+    return compute_signals(actions, observations, [t.finished_by(K) for t in traces])

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from agentrl.errors import UserError
+from agentrl.select.gate_rule import GateLabel, threshold_fires
+from agentrl.specs import SIGNAL_NAMES, convergence_score, gate_text
 from agentrl.stats import wilson
-from agentrl.specs import convergence_score
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class AutoThreshold:
         self.fit = Fit(0.0, 0, None, 0.0)
         self.refit(0)
 
-    def score(self, signals: dict[str, float]) -> float:
+    def score(self, signals: Mapping[str, float]) -> float:
         return convergence_score(self.signal, signals)
 
     def add(self, iteration: int, score: float, zero: bool, audited: bool, audit_rate: float) -> None:
@@ -129,6 +131,43 @@ class AutoThreshold:
         self.refit(state.get("at", 0))
 
 
+class FittedThreshold:
+    """`--gate K,auto[:SIGNAL]` as a `GateRule`: the threshold rule with d_L re-fitted after each
+    iteration on the labels so far (`learn`); d_L = 0 (cut nothing) until a fit reaches the
+    precision. Its state is the labels and audits (checkpointed)."""
+
+    def __init__(self, K: int, signal: str = SIGNAL_NAMES[0], tau_H: float | None = None, precision: float = 0.8,
+                 min_labels: int = 24, window: int = 0, warmup: list[Label] | None = None):
+        self.K, self.signal, self.tau_H = K, signal, tau_H
+        self.threshold = AutoThreshold(signal, precision, min_labels, window, warmup)
+
+    @property
+    def d_L(self) -> float:
+        """The threshold in force: the latest fit's."""
+        return self.threshold.fit.d_L
+
+    def fires(self, signals: Mapping[str, float]) -> bool:
+        return threshold_fires(signals, self.signal, self.d_L, self.tau_H)
+
+    def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
+        for lb in labels:
+            self.threshold.add(iteration, self.threshold.score(lb.signals), lb.zero_variance,
+                               audited=lb.audited, audit_rate=lb.audit_rate)
+        self.threshold.refit(iteration)
+
+    def report(self) -> dict:
+        return self.threshold.report()
+
+    def state_dict(self) -> dict:
+        return self.threshold.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.threshold.load_state_dict(state)
+
+    def __str__(self) -> str:
+        return gate_text(self.K, self.d_L, self.tau_H, auto=True, signal=self.signal)
+
+
 def read_warmup(path: Path, K: int, signal: str) -> list[Label]:
     """Labels from a groups table (groups.csv): the rows at K of groups that ran to the end."""
     if not path.is_file():
@@ -155,4 +194,4 @@ def read_warmup(path: Path, K: int, signal: str) -> list[Label]:
     return out
 
 
-__all__ = ["AutoThreshold", "Fit", "Label", "fit_threshold", "read_warmup", "wilson"]
+__all__ = ["AutoThreshold", "Fit", "FittedThreshold", "Label", "fit_threshold", "read_warmup", "wilson"]

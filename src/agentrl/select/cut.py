@@ -1,8 +1,10 @@
 """CUT_{K,d_L}, the Selective Rollout gate, as a stage (point: step K), with an online audit.
 
-After env step K a group whose G action prefixes have converged (d_K < d_L) is stopped and
-kept out of the loss. The audit (`--gate-audit a`, nobody else has it) lets a share a of the
-groups the gate would cut run to the end anyway, still kept out of the loss: their final
+After env step K the stage asks its rule (`agentrl.select.gate_rule.GateRule`; today d_K < d_L,
+fixed or fitted online) whether a group has converged; if so the group is stopped and kept out
+of the loss, and after the iteration the rule learns from the groups that ran to the end. The
+audit (`--gate-audit a`, nobody else has it) lets a share a of the groups the gate would cut run
+to the end anyway, still kept out of the loss: their final
 rewards are the ground truth for the gate's live precision (share of would-cut groups that
 end zero-variance) and, with the groups it let run, an estimate of its recall (share of the
 zero-variance groups it catches) — numbers the paper could only get from a matched baseline.
@@ -10,34 +12,38 @@ zero-variance groups it catches) — numbers the paper could only get from a mat
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from agentrl.rollout.gate import Gate
+from agentrl.config import GateConfig
 from agentrl.rollout.lockstep import row_seed
+from agentrl.select.auto_gate import FittedThreshold, read_warmup
 from agentrl.select.base import StageStats
+from agentrl.select.gate_rule import GateLabel, GateRule, Threshold
+from agentrl.specs import GateSpec
+
+
+def gate_rule(spec: GateSpec, auto: GateConfig | None = None) -> GateRule:
+    """The rule a parsed `--gate` spec names: a fixed threshold, or for `K,auto` the threshold
+    fitted online with the config's `gate` section (precision, min_labels, window, warmup)."""
+    if not spec.auto:
+        return Threshold(spec.K, spec.d_L, spec.tau_H, spec.signal)
+    a = auto or GateConfig()
+    warmup = read_warmup(Path(a.warmup), spec.K, spec.signal) if a.warmup else None
+    return FittedThreshold(spec.K, spec.signal, spec.tau_H, a.precision, a.min_labels, a.window, warmup)
 
 
 class CutStage:
     name = "cut"
     point = "step"
 
-    def __init__(self, gate: Gate, audit: float = 0.0, seed: int = 0, auto=None):
-        """`auto`: the config's `gate` section (precision, min_labels, window, warmup) for a `K,auto` gate."""
-        self.gate, self.K, self.audit, self.seed = gate, gate.K, audit, seed
+    def __init__(self, rule: GateRule, audit: float = 0.0, seed: int = 0):
+        self.rule, self.K, self.audit, self.seed = rule, rule.K, audit, seed
         self.iteration, self._seen, self._looked = 0, [], []
-        self.threshold = None
-        if gate.auto:
-            from agentrl.config import GateConfig
-            from agentrl.select.auto_gate import AutoThreshold, read_warmup
 
-            a = auto or GateConfig()
-            warmup = read_warmup(Path(a.warmup), gate.K, gate.signal) if a.warmup else None
-            self.threshold = AutoThreshold(gate.signal, a.precision, a.min_labels, a.window, warmup)
-            self._use_fit()
-
-    def _use_fit(self) -> None:
-        self.gate = dataclasses.replace(self.gate, d_L=self.threshold.fit.d_L)
+    @classmethod
+    def from_spec(cls, spec: GateSpec, audit: float = 0.0, seed: int = 0, auto: GateConfig | None = None) -> "CutStage":
+        """The stage of a parsed `--gate` spec (`auto`: the config's `gate` section, for `K,auto`)."""
+        return cls(gate_rule(spec, auto), audit, seed)
 
     def begin(self, iteration: int) -> None:
         self.iteration, self._seen, self._looked = iteration, [], []
@@ -48,7 +54,7 @@ class CutStage:
         # a group that already finished has nothing left to save: the gate leaves it alone
         if step != self.K or not still_running:
             return
-        fires = self.gate.fires(group.signals[step])
+        fires = self.rule.fires(group.signals[step])
         # the draw is fixed by (seed, task, iteration), whatever order the groups come in
         audited = fires and self.audit > 0 and row_seed(self.seed, group.game.game_id, -1, self.iteration) / 2**63 < self.audit
         self._looked.append((group, "audited" if audited else "cut" if fires else "ran"))
@@ -64,15 +70,10 @@ class CutStage:
 
     def observe(self, groups: list) -> None:
         self._seen = list(groups)
-        if self.threshold is None:
-            return
-        # the auto gate learns from the groups it looked at that ran to the end (a cut one has no label)
-        for group, how in self._looked:
-            if how != "cut":
-                self.threshold.add(self.iteration, self.threshold.score(group.signals[self.K]), group.zero_variance,
-                                   audited=how == "audited", audit_rate=self.audit)
-        self.threshold.refit(self.iteration)
-        self._use_fit()
+        # the rule learns from the groups it looked at that ran to the end (a cut one has no label)
+        labels = [GateLabel(group.signals[self.K], group.zero_variance, how == "audited", self.audit)
+                  for group, how in self._looked if how != "cut"]
+        self.rule.learn(self.iteration, labels)
 
     def stats(self) -> StageStats:
         groups = self._seen  # the iteration's final groups (a Pilot-Commit group includes its pilot)
@@ -90,18 +91,20 @@ class CutStage:
             missed = sum(g.zero_variance for g in groups if not g.cut and not g.audited and not g.excluded_by)
             out.extra = {"recall_est": would_cut_zero / (would_cut_zero + missed) if would_cut_zero + missed else None,
                          "audited_zero_variance": zero}
-        if self.threshold is not None:  # the d_L the next iteration uses, fitted on the labels so far
-            out.extra["auto"] = self.threshold.report()
+        report = self.rule.report()  # a rule that learns: e.g. the d_L the next iteration uses
+        if report is not None:
+            out.extra["auto"] = report
         return out
 
     def state_dict(self) -> dict:
-        # the audit draw is keyed by (seed, iteration, task); an auto gate keeps its labels
-        return {} if self.threshold is None else {"auto": self.threshold.state_dict()}
+        # the audit draw is keyed by (seed, iteration, task); a rule that learns keeps its state
+        # (under "auto", the key checkpoints of `K,auto` runs have)
+        rule = self.rule.state_dict()
+        return {"auto": rule} if rule else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.threshold is not None and "auto" in state:
-            self.threshold.load_state_dict(state["auto"])
-            self._use_fit()
+        if "auto" in state:
+            self.rule.load_state_dict(state["auto"])
 
 
 def _tokens_after_k_per_live_trajectory(groups: list, K: int) -> float | None:

@@ -17,7 +17,7 @@ def build_stage(name: str, cfg, sampler=None):
     if name == "cut":
         from agentrl.select.cut import CutStage
 
-        return CutStage(cfg.rollout.parsed_gate(), s.gate_audit, cfg.seed, cfg.gate)
+        return CutStage.from_spec(cfg.rollout.parsed_gate(), s.gate_audit, cfg.seed, cfg.gate)
     if name == "dapo":
         from agentrl.select.dapo import DapoFilter
 

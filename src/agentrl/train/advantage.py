@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from agentrl.config import ADVANTAGES as ESTIMATORS
+from agentrl.config import AdvantageConfig, RewardConfig, TrainConfig
 
 
 def group_advantages(rewards, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
@@ -122,13 +123,14 @@ def anchor_states(traj) -> list[str]:
 class Advantage:
     """The run's advantage function (`train.advantage` with `advantage.*` and `reward.*`)."""
 
-    estimator: str = "grpo"
-    gamma: float = 0.95
-    omega: float = 1.0
-    std_norm: bool = True
-    invalid_action: float = 0.0  # reward of a step whose reply maps to no admissible command (<= 0)
-    invalid_action_in: str = "return"  # the penalty goes into the return (before normalising) or the advantage (after)
-    mask_cut_replies: bool = False  # a reply cut at max_new_tokens gets A = 0
+    # the defaults are the config's (declared once, there: `train.advantage`, `advantage.*`, `reward.*`)
+    estimator: str = TrainConfig.advantage
+    gamma: float = AdvantageConfig.gamma
+    omega: float = AdvantageConfig.omega
+    std_norm: bool = AdvantageConfig.std_norm
+    invalid_action: float = RewardConfig.invalid_action  # reward of a step whose reply maps to no admissible command (<= 0)
+    invalid_action_in: str = RewardConfig.invalid_action_in  # into the return (before normalising) or the advantage (after)
+    mask_cut_replies: bool = AdvantageConfig.mask_cut_replies  # a reply cut at max_new_tokens gets A = 0
 
     @classmethod
     def of(cls, cfg) -> "Advantage":
@@ -176,15 +178,14 @@ class Advantage:
         return gigpo_parts([t.reward for t in trajs], [anchor_states(t) for t in trajs], self.gamma, self.std_norm)[2]
 
 
-def batch_advantages(groups, advantage: "str | Advantage" = "grpo", dapo_filter: bool = False) -> list[tuple[object, object]]:
+def batch_advantages(groups, advantage: "str | Advantage" = "grpo") -> list[tuple[object, object]]:
     """(trajectory, advantage) for every trajectory that reaches the loss: cut groups, groups a
-    selection stage excluded (`excluded_by`) and groups an env failure touched (`env_failed`)
-    never enter; with `dapo_filter` neither do the remaining zero-variance groups (`agentrl
-    train` applies that filter as a stage, select/dapo.py)."""
+    selection stage excluded (`excluded_by`: the DAPO filter, select/dapo.py, among them) and
+    groups an env failure touched (`env_failed`) never enter."""
     fn = advantage if isinstance(advantage, Advantage) else Advantage(advantage)
     out = []
     for g in groups:
-        if g.cut or getattr(g, "excluded_by", None) or getattr(g, "env_failed", False) or (dapo_filter and g.zero_variance):
+        if g.cut or getattr(g, "excluded_by", None) or getattr(g, "env_failed", False):
             continue
         out.extend(zip(g.trajectories, fn.of_group(g)))
     return out

@@ -5,8 +5,8 @@ through the learner twice, from the same base model, the same LoRA initialisatio
 and the same seeded plan: per step, `groups_per_step` groups drawn uniformly without
 replacement, and per trajectory up to `positions` sampled action positions (one position =
 one reply = one maximal run of action_mask == 1). The baseline arm trains on every planned
-group; the gated arm drops the groups whose recorded signals at K make the gate fire
-(d_K < d_L, strictly, as `Gate.fires`). What differs between the arms is only the gate, so
+group; the gated arm drops the groups whose recorded signals at K make the gate's rule fire
+(d_K < d_L, strictly, as `select.gate_rule.Threshold.fires`). What differs between the arms is only the gate, so
 the wall-clock, item and gradient-norm differences are its effect on the learner.
 
 Each trajectory enters the learner as a light view: its token ids cut right after its last
@@ -29,9 +29,11 @@ import numpy as np
 
 from agentrl.config import effective_prompt
 from agentrl.errors import UserError
-from agentrl.rollout.gate import Gate, parse_gate
-from agentrl.rollout.signals import SIGNALS, compute_signals
+from agentrl.rollout.signals import SIGNALS, Trace, signals_at
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
+from agentrl.select.cut import gate_rule
+from agentrl.select.gate_rule import GateRule
+from agentrl.specs import GateSpec, parse_gate
 from agentrl.train.advantage import group_advantages
 
 ARMS = ("baseline", "gated")
@@ -59,6 +61,10 @@ class BufferTrajectory:
     def spans(self) -> list[tuple[int, int]]:
         return action_spans(self.action_mask)
 
+    def trace(self) -> Trace:
+        """What the signals read of it (needs step records: `symbols` not None)."""
+        return Trace(self.symbols, self.observations, self.initial_observation, self.stop_reason)
+
 
 @dataclass
 class BufferGroup:
@@ -79,7 +85,7 @@ class BufferGroup:
 
     def signals_at(self, K: int) -> dict[str, float]:
         """The signals at step K: groups.csv's values, the rest computed from the step records
-        (as `rollout.lockstep.group_signals` computed them) when the records have them."""
+        by the rollout's own definition (`rollout.signals.signals_at`) when the records have them."""
         row = self.recorded.get(K, {})
         if all(name in row for name in SIGNALS):
             return dict(row)
@@ -89,22 +95,19 @@ class BufferGroup:
                 if D_K in row:
                     return dict(row)
                 raise UserError(f"task {self.task_id}: no groups.csv row for K={K} and no step_records to compute d_K from")
-            actions = [t.symbols[:K] for t in trajs]
-            obs = [t.observations[min(K, len(t.observations)) - 1] if t.observations else t.initial_observation for t in trajs]
-            finished = [t.stop_reason is not None and t.stop_reason != "gate_cut" and len(t.symbols) <= K for t in trajs]
-            self._computed[K] = compute_signals(actions, obs, finished)
+            self._computed[K] = signals_at([t.trace() for t in trajs], K)
         return self._computed[K] | row
 
     def d_K(self, K: int) -> float:
         return self.signals_at(K)[D_K]
 
-    def gate_fires(self, gate: Gate) -> bool:
-        """`Gate.fires` on the recorded signals at gate.K (d_K < d_L, strictly; plus the OR-rule if set)."""
-        signals = self.signals_at(gate.K)
-        if gate.tau_H is not None and "termination_fraction" not in signals:
-            raise UserError(f"task {self.task_id}: the OR-rule needs termination_fraction at K={gate.K} "
-                            "(not in groups.csv, no step_records)")
-        return gate.fires(signals)
+    def gate_fires(self, rule: GateRule) -> bool:
+        """The gate's rule on the recorded signals at its K (d_K < d_L, strictly; plus the OR-rule if set)."""
+        try:
+            return rule.fires(self.signals_at(rule.K))
+        except KeyError as e:  # groups.csv lacks a signal the rule reads (e.g. the OR-rule's)
+            raise UserError(f"task {self.task_id}: the gate {rule} needs {e.args[0]} at K={rule.K} "
+                            "(not in groups.csv, no step_records)") from None
 
 
 class Buffer(list):
@@ -399,7 +402,7 @@ def run_offpolicy_ab(
     steps: int,
     groups_per_step: int,
     positions: int,
-    gate: Gate | str | None,
+    gate: GateSpec | str | None,
     arms: Sequence[str] = ARMS,
     model_loader: Callable[[], object] | None = None,
     progress: Callable[[str, int, int, dict], None] | None = None,
@@ -434,7 +437,8 @@ def run_offpolicy_ab(
         if not ok:
             raise UserError(message)
 
-    fires = [g.gate_fires(gate) for g in buffer] if gate is not None else [False] * len(buffer)
+    rule = gate_rule(gate) if gate is not None else None
+    fires = [g.gate_fires(rule) for g in buffer] if rule is not None else [False] * len(buffer)
     plan = plan_steps(buffer, steps, groups_per_step, positions, cfg.seed)
     loader = model_loader or _default_loader(cfg)
     estimator = cfg.train.advantage
