@@ -2,10 +2,14 @@ import math
 
 import pytest
 
+from agentrl.collect import write_rollout
+from agentrl.env.alfworld import AlfworldEnv
 from agentrl.errors import UserError
-from agentrl.rollout.signals import SIGNALS, compute_signals, d_K
+from agentrl.rollout.lockstep import run_lockstep
+from agentrl.rollout.signals import SIGNALS, Trace, compute_signals, d_K, signals_at
 from agentrl.select.gate_rule import Threshold
 from agentrl.specs import GateSpec, parse_gate
+from agentrl.train.offpolicy import load_buffer
 
 
 def test_identical_prefixes_are_zero():
@@ -94,3 +98,93 @@ def test_parse_gate():
         parse_gate("off", tau_H=0.9)
     with pytest.raises(UserError, match="tau_H"):
         parse_gate("10,0.1", tau_H=2.0)
+
+
+# ---------------------------------------------------------------- one definition for every tier
+class _EngineDiesAt:
+    """A real ALFWorld env whose engine fails on its `fail_at`-th step (None: never)."""
+
+    def __init__(self, game, fail_at):
+        self.env, self.fail_at, self.steps = AlfworldEnv(game), fail_at, 0
+
+    def reset(self):
+        return self.env.reset()
+
+    def step(self, command):
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("the engine died")
+        return self.env.step(command)
+
+    def close(self):
+        self.env.close()
+
+
+class _Mixed:
+    """Trajectories 0 and 1 play the game's walkthrough (0 wins; 1's engine dies at step 3), 2 wanders.
+    Stand-in token ids, so the records are a buffer Tier 2 loads."""
+
+    def start(self, traj):
+        traj.append([1, 2, 3], generated=False)
+
+    def act(self, trajs):
+        out = []
+        for t in trajs:
+            t.append([4, 5], generated=True, logprobs=[-0.5, -0.5])
+            w, n = t.game.walkthrough, len(t.steps)
+            gotos = sorted(c for c in t.admissible if c.startswith("go to ")) or ["look"]
+            out.append(f"Action: {w[n] if t.index < 2 and n < len(w) else gotos[n % len(gotos)]}")
+        return out
+
+    def observe(self, traj, obs): ...
+
+    def finish(self, trajs): ...
+
+
+def test_tier_2_reads_a_rollouts_buffer_with_the_signals_the_rollout_computed(tmp_path, games):
+    """Tiers 1 and 3 compute the signals live, right after step K; Tier 2 computes them later from
+    the trajectories.jsonl records of the finished rollout. Same definition, same values, at every
+    K: also for a trajectory that won at K, one whose env failed after K (finished later, so not by
+    K) and ones that ended before K."""
+    made = []
+
+    def make_env(game):
+        made.append(game)
+        return _EngineDiesAt(game, 3 if len(made) % 3 == 2 else None)  # trajectory 1 of each group
+
+    steps = tuple(range(1, 8))
+    rollout = run_lockstep([games["pick_and_place_simple"], games["look_at_obj_in_light"]], _Mixed(), max_steps=7,
+                           group_size=3, signal_steps=steps, make_env=make_env)
+    trajs = {(g.game.task_type, t.index): t for g in rollout.groups for t in g.trajectories}
+    assert trajs["look_at_obj_in_light", 0].stop_reason == "won" and len(trajs["look_at_obj_in_light", 0].steps) == 3
+    assert all(trajs[k, 1].stop_reason == "env_error" and len(trajs[k, 1].steps) == 2 for k in ("pick_and_place_simple", "look_at_obj_in_light"))
+    assert trajs["pick_and_place_simple", 2].stop_reason == "max_steps"
+    # at K = 2 the failed trajectory was still running (its engine died on step 3)
+    assert rollout.groups[0].signals[2]["termination_fraction"] == 0.0
+
+    write_rollout(rollout, tmp_path, steps)
+    (tmp_path / "groups.csv").unlink()  # Tier 2 computes every signal from the step records
+    buffer = load_buffer(tmp_path / "trajectories.jsonl")
+    assert [b.task_id for b in buffer] == [g.game.game_id for g in rollout.groups]
+    for live, recorded in zip(rollout.groups, buffer):
+        assert sorted(live.signals) == list(steps)
+        for K in steps:
+            assert recorded.signals_at(K) == live.signals[K], (live.game.task_type, K)
+
+
+def test_finished_by_K_reads_alike_live_and_recorded():
+    def trace(n, why):
+        return Trace([f"a{i}" for i in range(n)], [f"o{i}" for i in range(n)], "o", why)
+
+    assert not trace(2, None).finished_by(2)  # running
+    assert trace(2, "won").finished_by(2) and trace(2, "lost").finished_by(3) and trace(2, "max_steps").finished_by(2)
+    # stopped after step 2 without a step 3: its env failed or its context filled on the way to step 3
+    assert not trace(2, "env_error").finished_by(2) and trace(2, "env_error").finished_by(3)
+    assert not trace(2, "context_full").finished_by(2) and trace(2, "context_full").finished_by(3)
+    assert trace(0, "env_error").finished_by(1)  # the game never loaded
+    assert not trace(2, "won").finished_by(1)  # later steps: not yet
+    assert not trace(2, "gate_cut").finished_by(5)  # the gate's doing, not the trajectory's
+    s = signals_at([trace(2, "won"), trace(3, None)], 2)
+    assert s["termination_fraction"] == 0.5 and s["obs_unique_ratio"] == 0.5  # both saw o1 after step 2
+    s = signals_at([trace(2, "won"), trace(3, None)], 3)
+    assert s["termination_fraction"] == 0.5 and s["obs_unique_ratio"] == 1.0  # o1 (the winner's last) and o2
