@@ -10,7 +10,7 @@ import pytest
 from agentrl.config import Config, LearnerConfig
 from agentrl.errors import UserError
 from agentrl.rollout.signals import SIGNALS
-from agentrl.select.gate_rule import Threshold
+from agentrl.select.cut import gate_rule
 from agentrl.specs import GateSpec
 from agentrl.train.offpolicy import (
     action_spans,
@@ -39,7 +39,8 @@ GROUPS = {
     "t3": ([1, 0, 1, 0], 0.12, False),  # exactly d_L: strict, not cut
     "t4": ([0, 0, 0, 0], 0.0, True),  # cut in the buffer: skipped
 }
-GATE = Threshold(2, 0.12)
+GATE = GateSpec(2, 0.12)
+RULE = gate_rule(GATE)  # what decides: the fixed threshold
 
 
 def encode(tokenizer, n_replies, variant=0):
@@ -107,7 +108,7 @@ def test_load_buffer_groups_and_recorded_d_K(tmp_path, tokenizer):
     assert buf.skipped_cut == 1 and buf.has_groups_csv
     assert [g.rewards for g in buf] == [[float(r) for r in GROUPS[t][0]] for t in ("t0", "t1", "t2", "t3")]
     assert [g.d_K(2) for g in buf] == [0.5, 0.0, 0.05, 0.12]
-    assert [g.gate_fires(GATE) for g in buf] == [False, True, True, False]  # d_K == d_L does not fire
+    assert [g.gate_fires(RULE) for g in buf] == [False, True, True, False]  # d_K == d_L does not fire
     assert load_buffer(tmp_path).skipped_cut == 1  # the directory works too
 
 
@@ -192,7 +193,7 @@ def test_zero_variance_group_gets_zero_advantage_and_gate_drops(tmp_path, tokeni
     assert adv["t1"] == [0.0] * 4  # zero variance
     assert all(a != 0.0 for a in adv["t0"]) and sum(adv["t0"]) == pytest.approx(0.0, abs=1e-9)
     assert sum(v.items for v, _ in batch) == 4 * (1 + 2 + 3 + 1)  # all positions: P=8 >= spans
-    batch, kept, dropped = build_batch(buf, plan, [g.gate_fires(GATE) for g in buf])
+    batch, kept, dropped = build_batch(buf, plan, [g.gate_fires(RULE) for g in buf])
     assert sorted(buf[i].task_id for i in dropped) == ["t1", "t2"] and {v.task_id for v, _ in batch} == {"t0", "t3"}
 
 

@@ -396,26 +396,9 @@ def _pct(new, old) -> float | None:
     return 100.0 * (new / old - 1.0) if old else None
 
 
-def run_offpolicy_ab(
-    cfg,
-    buffer: Sequence[BufferGroup],
-    steps: int,
-    groups_per_step: int,
-    positions: int,
-    gate: GateSpec | str | None,
-    arms: Sequence[str] = ARMS,
-    model_loader: Callable[[], object] | None = None,
-    progress: Callable[[str, int, int, dict], None] | None = None,
-) -> dict:
-    """Replay the buffer through a fresh learner per arm (same base, same seed, same plan); Table 4 numbers.
-
-    `progress(arm, step, steps, row)` is called after every step. Arms run one after the other;
-    each arm's model is released before the next loads.
-    """
-    from agentrl.train.learner import Learner
-
-    if isinstance(gate, str):
-        gate = parse_gate(gate)
+def _check_ab(cfg, buffer: Sequence[BufferGroup], steps: int, groups_per_step: int, positions: int,
+              gate: GateSpec | None, arms: Sequence[str]) -> None:
+    """One-line errors for an A/B the buffer, the gate or the settings cannot serve."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms or len(set(arms)) != len(arms):
         raise UserError(f"arms must be distinct names from {', '.join(ARMS)}, got {', '.join(arms) or 'none'}")
@@ -437,6 +420,27 @@ def run_offpolicy_ab(
         if not ok:
             raise UserError(message)
 
+
+def run_offpolicy_ab(
+    cfg,
+    buffer: Sequence[BufferGroup],
+    steps: int,
+    groups_per_step: int,
+    positions: int,
+    gate: GateSpec | str | None,
+    arms: Sequence[str] = ARMS,
+    model_loader: Callable[[], object] | None = None,
+    progress: Callable[[str, int, int, dict], None] | None = None,
+) -> dict:
+    """Replay the buffer through a fresh learner per arm (same base, same seed, same plan); Table 4 numbers.
+
+    `progress(arm, step, steps, row)` is called after every step. Arms run one after the other;
+    each arm's model is released before the next loads.
+    """
+    from agentrl.train.learner import Learner
+
+    gate = parse_gate(gate) if isinstance(gate, str) else gate
+    _check_ab(cfg, buffer, steps, groups_per_step, positions, gate, arms)
     rule = gate_rule(gate) if gate is not None else None
     fires = [g.gate_fires(rule) for g in buffer] if rule is not None else [False] * len(buffer)
     plan = plan_steps(buffer, steps, groups_per_step, positions, cfg.seed)
