@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from agentrl.config import effective_prompt
 from agentrl.errors import UserError
 from agentrl.rollout.gate import Gate, parse_gate
 from agentrl.rollout.signals import SIGNALS, compute_signals
@@ -409,7 +408,7 @@ def run_offpolicy_ab(
     `progress(arm, step, steps, row)` is called after every step. Arms run one after the other;
     each arm's model is released before the next loads.
     """
-    from agentrl.train.learner import Learner
+    from agentrl.train.learner import build_learner
 
     if isinstance(gate, str):
         gate = parse_gate(gate)
@@ -442,7 +441,7 @@ def run_offpolicy_ab(
 
     results = {}
     for name in arms:
-        learner = Learner(loader(), cfg.learner, seed=cfg.seed, prompt=effective_prompt(cfg))
+        learner = build_learner(cfg, loader(), warm_start=False)  # each arm from the base model's fresh LoRA
         if first is not None:
             _warm_up(learner, first)
         cut = fires if name == "gated" else [False] * len(buffer)
