@@ -34,10 +34,10 @@ if mode.startswith("fixed"):
     assert return_freed_memory()
 from agentrl.config import LearnerConfig
 from agentrl.models import load_model
-from agentrl.train.learner import Learner
+from agentrl.train.learner import LocalLearner
 from agentrl.train.loss import token_logprobs
 model, _ = load_model("default", "float32", "cpu", False)
-learner = Learner(model, LearnerConfig(lora_r=32, lora_alpha=64, gradient_checkpointing=gc))
+learner = LocalLearner(model, LearnerConfig(lora_r=32, lora_alpha=64, gradient_checkpointing=gc))
 learner.model.train()
 ids = torch.randint(100, model.config.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0))
 def hwm_mib():

@@ -1,6 +1,8 @@
 """The LoRA learner on a tiny random Llama: updates, adapter round-trip, hot-swap into the sampler."""
 
 import copy
+import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from agentrl.rollout.trajectory import Trajectory
 from agentrl.sampling.base import SamplingParams
 from agentrl.sampling.hf import HFSampler
 from agentrl.config import LearnerConfig
-from agentrl.train.learner import Learner
+from agentrl.train.learner import LocalLearner
 from agentrl.train.loss import token_logprobs
 
 GAME = Game("task/trial", "train", "pick_and_place_simple", None)
@@ -44,7 +46,7 @@ def seq_logp(model, traj):
 
 def test_learner_sees_the_samplers_logprobs(tiny_model, trajectories):
     """LoRA starts at zero: before the update the learner's logp equals the sampler's (exact tokens)."""
-    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3))
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-3))
     stats = learner.update([(t, 1.0) for t in trajectories])
     assert stats.logprob_gap is not None and stats.logprob_gap < 1e-4
     assert stats.step_tokens_trained == sum(sum(t.action_mask) for t in trajectories)
@@ -52,7 +54,7 @@ def test_learner_sees_the_samplers_logprobs(tiny_model, trajectories):
 
 
 def test_update_moves_logprobs_with_the_advantage_sign(tiny_model, trajectories):
-    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
     pos, neg = trajectories[0], trajectories[1]
     before = [seq_logp(learner.model, t) for t in (pos, neg)]
     for _ in range(3):
@@ -64,11 +66,11 @@ def test_update_moves_logprobs_with_the_advantage_sign(tiny_model, trajectories)
 def test_adapter_round_trip_and_hot_swap(tiny_model, tokenizer, trajectories, tmp_path):
     from peft import PeftModel
 
-    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
     learner.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
-    v1 = learner.save_adapter(tmp_path / "adapters")
+    v1 = Path(learner.save(tmp_path / "adapters").path)
     learner.update([(trajectories[0], 1.0), (trajectories[2], -1.0)])
-    v2 = learner.save_adapter(tmp_path / "adapters")
+    v2 = Path(learner.save(tmp_path / "adapters").path)
     assert (v1.name, v2.name) == ("v1", "v2") and (v2 / "adapter_model.safetensors").is_file()
     assert not [p for p in (tmp_path / "adapters").iterdir() if p.name.startswith(".")]  # no temp dirs left
 
@@ -97,11 +99,11 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
     from agentrl.config import load_config
     from agentrl.errors import UserError
 
-    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-2))
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-2))
     learner.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
-    v1 = learner.save_adapter(tmp_path / "adapters")
+    v1 = learner.save(tmp_path / "adapters").path
     learner.update([(trajectories[0], 1.0), (trajectories[2], -1.0)])
-    v2 = learner.save_adapter(tmp_path / "adapters")
+    v2 = learner.save(tmp_path / "adapters").path
 
     merged = HFSampler(copy.deepcopy(tiny_model), tokenizer)
     unmerged = HFSampler.from_config(load_config(None, {"sampling.merge_adapter": False}), copy.deepcopy(tiny_model), tokenizer)
@@ -143,15 +145,15 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
 def test_zero_advantage_trajectories_cost_nothing_and_change_nothing(tiny_model, trajectories):
     """A = 0 contributes exactly zero gradient: such trajectories skip the forward pass, and a
     batch of only A = 0 (zero-variance groups) makes no optimizer step at all."""
-    learner = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
     before = {k: v.clone() for k, v in learner.model.named_parameters() if v.requires_grad}
     stats = learner.update([(t, 0.0) for t in trajectories])
     assert not stats.stepped and stats.step_tokens_trained == 0 and stats.grad_l2_norm == 0.0
     assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters() if v.requires_grad)
 
     # mixed batch: same gradient as the nonzero part alone (seq-sum divides by the whole N)
-    a = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
-    b = Learner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    a = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
+    b = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=5e-3))
     sa = a.update([(trajectories[0], 1.0), (trajectories[1], -1.0), (trajectories[2], 0.0)])
     sb = b.update([(trajectories[0], 1.0), (trajectories[1], -1.0)])
     assert sa.step_tokens_trained == sb.step_tokens_trained
@@ -173,9 +175,9 @@ def test_several_steps_per_iteration_take_todays_single_update_first(tiny_model,
     """epochs 2 x minibatches 2: the first of its 4 optimizer steps is exactly the single GRPO
     update of today's learner on that minibatch's trajectories; the later ones move further."""
     batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
-    single = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2))
+    single = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2))
     one = single.update(batch[:2])  # minibatch 1 of 2 in batch order (the first epoch keeps it)
-    ppo = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2))
+    ppo = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2))
     after_first, real_step = [], ppo.optimizer.step
 
     def step(*a, **k):
@@ -197,7 +199,7 @@ def test_several_steps_per_iteration_take_todays_single_update_first(tiny_model,
 
 def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):
     batch = [(t, a) for t, a in zip(four, (1.0, -1.0, 0.0, 0.5))]
-    a, b = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), Learner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))
+    a, b = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))
     sa, sb = a.update(batch), b.update(batch)
     assert (sa.loss, sa.grad_l2_norm, sa.clip_fraction) == (sb.loss, sb.grad_l2_norm, 0.0)
     assert all(torch.equal(x, y) for x, y in zip(lora_weights(a), lora_weights(b)))  # the clip never acts on 1 x 1
@@ -244,7 +246,7 @@ def test_kl_to_the_warm_start_is_zero_at_the_start_and_pulls_back(tiny_model, fo
     batch = [(four[0], 1.0), (four[1], -1.0)]
     drift = {}
     for beta in (0.0, 5.0):
-        learner = Learner(copy.deepcopy(tiny_model), cfg(lr=2e-2, epochs=4, kl_coef=beta), init_adapter=str(tmp_path / "warm"))
+        learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=2e-2, epochs=4, kl_coef=beta), init_adapter=str(tmp_path / "warm"))
         start = lora_weights(learner)
         stats = learner.update(batch)
         if beta:
@@ -274,7 +276,7 @@ def test_an_adapter_made_on_another_machine_is_saved_with_this_machines_base(tin
     record["base_model_name_or_path"] = "/elsewhere/cache/models/SmolLM2-135M-Instruct"
     (tmp_path / "warm" / "adapter_config.json").write_text(json.dumps(record))
 
-    learner = Learner(model, cfg(), init_adapter=str(tmp_path / "warm"))
+    learner = LocalLearner(model, cfg(), init_adapter=str(tmp_path / "warm"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         learner._write_adapter(tmp_path / "out")
@@ -305,13 +307,104 @@ def test_windowed_trajectories_train_each_reply_on_the_window_it_was_sampled_fro
     sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer)
     trajs = [windowed_trajectory(sampler, tokenizer, 1, seed, i) for i, seed in enumerate((1, 2))]
     tokens = sum(sum(t.action_mask) for t in trajs)
-    windowed = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
+    windowed = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
     stats = windowed.update([(trajs[0], 1.0), (trajs[1], -1.0)])
     assert stats.logprob_gap is not None and stats.logprob_gap < 1e-4
     assert stats.step_tokens_trained == tokens and stats.trajectories == 2  # N counts trajectories, not replies
-    whole = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 0})
+    whole = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 0})
     assert whole.update([(trajs[0], 1.0), (trajs[1], -1.0)]).logprob_gap > 1e-3  # not what was sampled
-    per_step = Learner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
+    per_step = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-3), prompt={"history": 1})
     zero_first = [0.0, 0.5, -0.5, 1.0]
     stats = per_step.update([(trajs[0], zero_first), (trajs[1], [1.0] * 4)])
     assert stats.step_tokens_trained == tokens - trajs[0].step_tokens[0] and stats.logprob_gap < 1e-4
+
+
+# ---------------------------------------------------------------- the Learner protocol's contract
+def contract_items(n=4, seed=0):
+    """Plain train items (token ids of the tiny model's vocabulary, an action mask, sampler log-probs)."""
+    from agentrl.train.handoff import TrainItem
+
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        prompt, reply = rng.randint(4, 9), rng.randint(2, 6)
+        items.append(TrainItem([rng.randrange(1, 200) for _ in range(prompt + reply)], [0] * prompt + [1] * reply,
+                               [0.0] * prompt + [-2.0] * reply, [reply]))
+    return items
+
+
+def learner_contract(learner, tmp_path) -> list:
+    """What the loop relies on, whatever the layout (handoff.Learner's docstring); returns the
+    numbers it saw, for comparing layouts."""
+    from safetensors.torch import load_file
+
+    from agentrl.train.handoff import Learner as LearnerProtocol
+    from agentrl.train.handoff import UpdateStats
+    from agentrl.weights import WeightsRef
+
+    items = contract_items()
+    batch = list(zip(items, (1.0, -1.0, 0.0, 0.5)))
+    assert isinstance(learner, LearnerProtocol) and learner.version == 0
+    first = learner.update(batch)
+    assert isinstance(first, UpdateStats) and first.stepped and first.trajectories == 4
+    assert first.step_tokens_trained == sum(sum(t.action_mask) for t, a in batch if a)
+    ref = learner.save(tmp_path / "adapters")
+    assert ref == WeightsRef(tmp_path / "adapters" / "v1", 1) and learner.version == 1
+    assert (Path(ref.path) / "adapter_model.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "adapters").iterdir()] == ["v1"]  # complete, no temporary left
+    nothing = learner.update([(t, 0.0) for t in items])  # no signal: no step, no version
+    assert not nothing.stepped and nothing.optimizer_steps == 0 and learner.version == 1
+    (tmp_path / "state").mkdir()
+    learner.save_state(tmp_path / "state")
+    after = learner.update(batch)  # from the saved state ...
+    v2 = learner.save(tmp_path / "adapters")
+    assert v2.version == learner.version == 2
+    restored = learner.load_state(tmp_path / "state", 1)
+    assert restored == WeightsRef(tmp_path / "state" / "adapter", 1) and learner.version == 1
+    saved = load_file(str(Path(restored.path) / "adapter_model.safetensors"))
+    assert saved.keys() == load_file(str(Path(ref.path) / "adapter_model.safetensors")).keys()
+    again = learner.update(batch)  # ... the same update again: load_state restored it exactly
+    assert (again.loss, again.grad_l2_norm, again.logprob_gap) == (after.loss, after.grad_l2_norm, after.logprob_gap)
+    assert learner.save(tmp_path / "again").version == 2
+    learner.close()
+    return [(s.loss, s.grad_l2_norm, s.logprob_gap) for s in (first, after)]
+
+
+@pytest.fixture(scope="module")
+def contract_cfg(tiny_actor_dir):
+    from agentrl.config import load_config
+
+    return load_config(None, {"model.name": str(tiny_actor_dir), "learner.lora_r": 4, "learner.lora_alpha": 8,
+                              "learner.target_modules": ["q_proj", "v_proj"], "learner.lr": 1e-2, "seed": 3})
+
+
+def test_the_in_process_and_the_process_learner_keep_the_learner_contract_with_the_same_numbers(contract_cfg, tmp_path):
+    """`make_learner` (colocate: in this process) and `RemoteLearner` (its own process) both keep
+    handoff.Learner's contract, and train to the same numbers from the same config."""
+    from agentrl.train.learner import LocalLearner
+    from agentrl.train.remote import RemoteLearner, make_learner
+
+    local = make_learner(contract_cfg)
+    assert isinstance(local, LocalLearner)
+    seen = learner_contract(local, tmp_path / "local")
+    assert seen == learner_contract(RemoteLearner(contract_cfg), tmp_path / "process")
+
+
+def test_a_step_on_any_loss_skips_non_finite_gradients(tiny_model, trajectories):
+    """`step` (what sft's behaviour cloning trains through): gradients accumulate over the parts,
+    the optimizer moves once; a non-finite loss moves nothing."""
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2))
+    start = lora_weights(learner)
+
+    def nll(model, t):
+        ids = torch.tensor([t.token_ids])
+        logp = token_logprobs(model, ids, torch.ones_like(ids))
+        loss = -(logp * torch.tensor([t.action_mask])).sum()
+        return loss, float(loss.detach())
+
+    result = learner.step(trajectories, nll, max_norm=1.0)
+    assert result.stepped and len(result.values) == 3 and result.loss == pytest.approx(sum(result.values))
+    moved = lora_weights(learner)
+    assert any(not torch.equal(a, b) for a, b in zip(moved, start))
+    bad = learner.step(trajectories[:1], lambda m, t: (nll(m, t)[0] * float("nan"), None), max_norm=1.0)
+    assert not bad.stepped and all(torch.equal(a, b) for a, b in zip(lora_weights(learner), moved))

@@ -10,7 +10,7 @@ import torch
 
 from agentrl.config import LearnerConfig
 from agentrl.train import memory
-from agentrl.train.learner import Learner
+from agentrl.train.learner import LocalLearner
 from agentrl.train.loss import token_logprobs
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,7 +41,7 @@ def test_the_activation_estimate_bounds_what_backward_keeps(tiny_model, checkpoi
     import copy
 
     rows, tokens = 2, 384
-    learner = Learner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, target_modules=ALL_LINEAR,
+    learner = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, target_modules=ALL_LINEAR,
                                                                gradient_checkpointing=checkpointing))
     learner.model.train()  # as in an update: checkpointing is on only in train mode
     ids = torch.randint(0, tiny_model.config.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0))
@@ -51,7 +51,7 @@ def test_the_activation_estimate_bounds_what_backward_keeps(tiny_model, checkpoi
     if not checkpointing:
         assert estimate <= 1.5 * kept
     else:
-        learner_plain = Learner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, target_modules=ALL_LINEAR))
+        learner_plain = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, target_modules=ALL_LINEAR))
         learner_plain.model.train()
         assert kept < saved_for_backward(learner_plain.model, ids) / 4
 
@@ -60,7 +60,7 @@ def test_lora_params_counts_the_adapters_trainable_parameters(tiny_model):
     import copy
 
     for modules in (ALL_LINEAR, ["q_proj", "v_proj"]):
-        learner = Learner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=8, target_modules=modules))
+        learner = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=8, target_modules=modules))
         assert memory.lora_params(tiny_model.config, 8, modules) == sum(p.numel() for p in learner.params)
 
 

@@ -273,3 +273,18 @@ def test_env_actors_are_placed_on_both_nodes_of_a_two_node_cluster(data_root):
     finally:
         ray.shutdown()
         two.shutdown()
+
+
+def test_the_ray_learner_keeps_the_learner_contract_with_the_in_process_numbers(local_ray, tmp_path, tiny_actor_dir):
+    """The learner as a Ray actor keeps handoff.Learner's contract (weights and states through the
+    object store) and trains to the numbers the in-process learner trains to."""
+    from test_learner import learner_contract
+
+    from agentrl.config import load_config
+    from agentrl.train.ray_learner import RayLearner
+    from agentrl.train.remote import make_learner
+
+    cfg = load_config(None, {"model.name": str(tiny_actor_dir), "learner.lora_r": 4, "learner.lora_alpha": 8,
+                             "learner.target_modules": ["q_proj", "v_proj"], "learner.lr": 1e-2, "seed": 3})
+    seen = learner_contract(RayLearner(cfg), tmp_path / "ray")
+    assert seen == learner_contract(make_learner(cfg), tmp_path / "local")

@@ -129,7 +129,7 @@ def test_empty_and_over_long_completions_are_no_ops_or_cut(games, tiny_model, to
     from agentrl.rollout import ModelPolicy, run_lockstep
     from agentrl.sampling.base import SamplingParams
     from agentrl.sampling.hf import HFSampler
-    from agentrl.train.learner import Learner
+    from agentrl.train.learner import LocalLearner
 
     params = SamplingParams(1.0, 1.0, 8)
     policy = ModelPolicy(Misbehaving(HFSampler(tiny_model, tokenizer)), params, seed=1)
@@ -140,7 +140,7 @@ def test_empty_and_over_long_completions_are_no_ops_or_cut(games, tiny_model, to
     assert long.step_tokens == [8, 8, 8] and normal.stop_reason in ("max_steps", "won", "lost")
     for t in rollout.trajectories:
         assert len(t.token_ids) == len(t.action_mask) == len(t.logprobs) and sum(t.action_mask) == sum(t.step_tokens)
-    learner = Learner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    learner = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     stats = learner.update([(empty, 1.0), (long, -1.0), (normal, 0.5)])
     assert stats.stepped and not stats.skipped and stats.step_tokens_trained == 8 * 3 + sum(normal.step_tokens)
 

@@ -218,11 +218,11 @@ def _learner(cfg, sampler, size, state, out: Path) -> dict:
     _sync()
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    adapter = learner.save_adapter(out / "adapters")
-    sampler.load_adapter(str(adapter), learner.version)
+    weights = learner.save(out / "adapters")
+    sampler.load_adapter(weights.path, weights.version)
     _sync()
     swap_s = time.perf_counter() - t0
-    state["adapter"] = adapter
+    state["adapter"] = weights.path
     sequence_tokens = sum(len(t.token_ids) for t in trajs)
     return {"step_tokens_trained": first.step_tokens_trained, "train_s": round(train_s, 2),
             "learner_sequence_tokens_per_s": round(sequence_tokens / train_s, 1),  # teacher-forced, whole trajectories

@@ -1,10 +1,13 @@
-"""Atomic file writes: a reader never sees a half-written file."""
+"""Atomic file writes: a reader never sees a half-written file or directory."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -20,6 +23,31 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_path(final: str | os.PathLike, directory: bool = True, suffix: str = "") -> Iterator[Path]:
+    """Write `final` (a directory, or a file with `directory=False`) atomically: yield a fresh
+    temporary sibling (`.NAME-...`, which `checkpoint.clean_partial` removes after a kill) to fill;
+    when the block ends it is renamed onto `final` (replacing what was there), and if the block
+    raises it is removed and `final` is untouched. `suffix`: the temporary file's (a format some
+    writers read from the name, e.g. `.png`)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if directory:
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}-"))
+    else:
+        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=suffix)
+        os.close(fd)
+        tmp = Path(name)
+    try:
+        yield tmp
+        if directory and final.exists():  # a previous attempt at the same name (never a half-written one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if directory else tmp.unlink(missing_ok=True)
         raise
 
 

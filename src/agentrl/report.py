@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from agentrl.errors import UserError
-from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.io import atomic_path, atomic_write_json, atomic_write_text
 from agentrl.stats import eval_text, learning_verdict
 
 log = logging.getLogger(__name__)
@@ -235,14 +233,8 @@ def label(run: Run) -> str:
 
 def save_figure(fig, path: Path) -> Path:
     """savefig to a temporary file beside path, then rename: a reader never sees half a PNG."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
+    with atomic_path(path, directory=False, suffix=".png") as tmp:  # the suffix: savefig reads the format from it
         fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from agentrl import faults
 from agentrl.errors import RunError, UserError
-from agentrl.io import atomic_write_text
+from agentrl.io import atomic_path, atomic_write_text
+from agentrl.train.handoff import Learner
+from agentrl.weights import WeightsRef
 
 STATE = "state.json"
 TENSORS = "state.safetensors"
@@ -41,8 +43,6 @@ class TrainState:
 
 def _split_tensors(obj, path: str = ""):
     """(obj with every tensor replaced by {"__tensor__": key}, {key: tensor})."""
-    import torch
-
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": path}, {path: obj.detach().cpu().contiguous()}
     tensors = {}
@@ -84,27 +84,22 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def save(run: Path, state: TrainState, learner) -> Path:
+def save(run: Path, state: TrainState, learner: Learner) -> Path:
     """Write checkpoint `it{iteration}` atomically and point `latest` at it; return its path."""
     root = run / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"it{state.iteration:05d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}-"))
     try:
-        learner.save_state(tmp)  # adapter, optimizer, RNG (the learner may live in another process)
-        fields, tensors = _split_tensors(asdict(state))  # a stage's weights (ARRoL's head) go to safetensors
-        (tmp / STATE).write_text(json.dumps(fields))
-        if tensors:
-            save_file(tensors, str(tmp / TENSORS))
-        _fsync_tree(tmp)
-        faults.point("checkpoint")
-        if final.exists():  # a previous attempt at this iteration that never became `latest`
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with atomic_path(final) as tmp:  # a previous attempt at this iteration that never became `latest` is replaced
+            learner.save_state(tmp)  # adapter, optimizer, RNG (the learner may live in another process)
+            fields, tensors = _split_tensors(asdict(state))  # a stage's weights (ARRoL's head) go to safetensors
+            (tmp / STATE).write_text(json.dumps(fields))
+            if tensors:
+                save_file(tensors, str(tmp / TENSORS))
+            _fsync_tree(tmp)
+            faults.point("checkpoint")
         faults.point("latest")
         atomic_write_text(root / "latest", final.name + "\n")
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):  # disk full, quota, permissions: the previous checkpoint is untouched
             previous = latest(run)
             raise RunError(f"cannot write checkpoint {final.name}: {e.strerror or e}; the run keeps "
@@ -140,17 +135,18 @@ def latest(run: Path) -> Path | None:
     return path
 
 
-def load(path: Path, learner) -> TrainState:
-    """Restore the learner's adapter weights, optimizer and RNG; return the loop state."""
+def load(path: Path, learner: Learner) -> tuple[TrainState, WeightsRef]:
+    """Restore the learner's adapter weights, optimizer and RNG; return the loop state and the
+    weights the learner now holds (the sampler serves them from the resumed run's first rollout)."""
     try:
         fields = json.loads((path / STATE).read_text())
         if (path / TENSORS).is_file():
             fields = _join_tensors(fields, load_file(str(path / TENSORS)))
         state = TrainState(**fields)
-        learner.load_state(path, state.adapter_version)  # safetensors + torch.load(weights_only=True): no code runs
+        weights = learner.load_state(path, state.adapter_version)  # safetensors + torch.load(weights_only=True): no code runs
     except UserError:
         raise
     except Exception as e:  # damaged, truncated, or a pickle that is more than weights
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
         raise UserError(f"cannot load checkpoint {path}: {e.__class__.__name__}: {first}") from None
-    return state
+    return state, weights

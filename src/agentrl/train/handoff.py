@@ -1,12 +1,19 @@
-"""What crosses from the training loop to a learner elsewhere (its own process or a Ray actor):
-the trajectories as plain data, and the error a dead learner raises. Both layouts import it
-from here, so neither imports the other."""
+"""The trainer's seam: the `Learner` protocol the training loop drives, and what crosses from the
+loop to a learner (in this process, its own process or a Ray actor): the trajectories as plain
+data, the update's `UpdateStats`, the `WeightsRef` a save hands out, and the error a dead learner
+raises. Every layout imports it from here, so none imports another."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from agentrl.errors import RunError
+from agentrl.io import atomic_path, read_tree, write_tree
+from agentrl.weights import WeightsRef
+
+STATE_WEIGHTS = "adapter"  # the weights' directory inside a learner state (a checkpoint's)
 
 
 class LearnerDied(RunError):
@@ -24,8 +31,81 @@ class TrainItem:
     reply_starts: list[int] = field(default_factory=list)  # where each reply begins (prompt.history's windows)
 
 
+@dataclass
+class UpdateStats:
+    loss: float
+    grad_l2_norm: float  # before clipping
+    trajectories: int  # in the batch (A = 0 ones included)
+    step_tokens_trained: int  # action tokens with A != 0 (a trajectory with none skips forward/backward)
+    logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
+    skipped: bool = False  # a non-finite loss or gradient: no optimizer step
+    stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
+    optimizer_steps: int = 1  # learner.epochs x learner.minibatches, less skipped ones
+    clip_fraction: float = 0.0  # share of action tokens whose ratio was clipped (0 on the first minibatch)
+    kl: float | None = None  # mean KL(policy || warm start) per action token (with learner.kl_coef > 0)
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """What the training loop asks of a learner, wherever it runs (`remote.make_learner` picks:
+    `learner.LocalLearner` in this process, `remote.RemoteLearner` in its own, `ray_learner.RayLearner`
+    as a Ray actor). The loop never tells them apart.
+
+    Contract:
+    - `version`: the version of the weights it holds: 0 at the start (the warm start, or the base
+      model's fresh LoRA), n after its n-th `save`, the checkpoint's after `load_state`.
+    - `update(batch)`: [(trajectory or TrainItem, advantage: a number, or one per reply)] -> one
+      update (learner.epochs x learner.minibatches optimizer steps, or none when every advantage
+      is 0 or the loss is not finite), described by one `UpdateStats`.
+    - `save(root)`: version += 1, then the weights written atomically to `root/v{version}` (on
+      the caller's machine), complete and never changed afterwards; returns their `WeightsRef`,
+      which the caller hands to the sampler.
+    - `save_state(path)` writes into `path` (a directory the caller makes atomic) what continues
+      the run exactly: the weights in `path/adapter` (STATE_WEIGHTS), the optimizer, the RNG; `load_state(path,
+      version)` restores it and returns the `WeightsRef` of the weights it now holds.
+    - `close()` frees what it holds (a process, an actor, a GPU); safe to call once at the end.
+    - A learner elsewhere that died raises `LearnerDied` at the next call instead of hanging.
+    """
+
+    version: int
+
+    def update(self, batch: list) -> UpdateStats: ...
+
+    def save(self, root: Path) -> WeightsRef: ...
+
+    def save_state(self, path: Path) -> None: ...
+
+    def load_state(self, path: Path, version: int) -> WeightsRef: ...
+
+    def close(self) -> None: ...
+
+
 def train_items(batch) -> list:
     """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
     step tokens, reply starts), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
     return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens), list(t.reply_starts)),
              [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
+
+
+def from_train_items(items) -> list[tuple[TrainItem, object]]:
+    return [(TrainItem(*item), adv) for item, adv in items]
+
+
+@dataclass
+class PackedWeights:
+    """A `WeightsRef`'s directory as bytes, to cross machines (Ray's object store): packed where
+    the learner wrote it, unpacked by the driver into its own run directory."""
+
+    files: dict[str, bytes]
+    version: int
+    kind: str = "lora"
+
+    @classmethod
+    def pack(cls, ref: WeightsRef) -> PackedWeights:
+        return cls(read_tree(ref.path), ref.version, ref.kind)
+
+    def unpack(self, root: Path) -> WeightsRef:
+        """Write them as `root/v{version}`, atomically."""
+        with atomic_path(Path(root) / f"v{self.version}") as tmp:
+            write_tree(self.files, tmp)
+        return WeightsRef(Path(root) / f"v{self.version}", self.version, self.kind)

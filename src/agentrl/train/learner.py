@@ -1,45 +1,39 @@
-"""The learner: a PEFT LoRA policy, AdamW, one GRPO update per call, versioned adapters.
+"""The learner in this process: a PEFT LoRA policy, AdamW, one GRPO update per call, versioned
+weights (`LocalLearner`, one implementation of `handoff.Learner`; `build_learner` makes it).
 
 Each update trains on the exact token ids of the trajectories (teacher-forced, action-masked)
 and then saves the adapter as a standard PEFT directory (safetensors), `adapters/v{n}`, written
-to a temporary directory and renamed so a sampler never loads a half-written version.
+to a temporary directory and renamed so a sampler never loads a half-written version. `step`
+is the optimizer step on any loss: GRPO's minibatches use it, and `agentrl sft`'s behaviour
+cloning trains through it.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from agentrl import faults
-from agentrl.config import LearnerConfig, write_adapter_record
+from agentrl.config import Config, LearnerConfig, effective_prompt, write_adapter_record
+from agentrl.errors import UserError
+from agentrl.io import atomic_path
+from agentrl.models import load_model, quiet_peft
 from agentrl.rollout.trajectory import is_zero, step_sequences, token_advantages, trained_tokens
-from agentrl.train.handoff import TrainItem
+from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference, token_logprobs
+from agentrl.weights import WeightsRef
+
+__all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
 
 
-@dataclass
-class UpdateStats:
-    loss: float
-    grad_l2_norm: float  # before clipping
-    trajectories: int  # in the batch (A = 0 ones included)
-    step_tokens_trained: int  # action tokens with A != 0 (a trajectory with none skips forward/backward)
-    logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
-    skipped: bool = False  # a non-finite loss or gradient: no optimizer step
-    stepped: bool = True  # the optimizer moved (False: skipped, or no trajectory with A != 0)
-    optimizer_steps: int = 1  # learner.epochs x learner.minibatches, less skipped ones
-    clip_fraction: float = 0.0  # share of action tokens whose ratio was clipped (0 on the first minibatch)
-    kl: float | None = None  # mean KL(policy || warm start) per action token (with learner.kl_coef > 0)
-
-
-def lora_config(cfg: LearnerConfig):
+def lora_config(cfg: LearnerConfig) -> LoraConfig:
     """The LoRA the learner trains (and `agentrl sft` warm-starts, so GRPO continues it unchanged)."""
-    from peft import LoraConfig
-
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
 
@@ -58,17 +52,59 @@ def per_step_items(batch, history: int) -> list[tuple[TrainItem, object]]:
     return out
 
 
-class Learner:
+def build_learner(cfg: Config, model=None, settings: LearnerConfig | None = None, warm_start: bool = True,
+                  device: str | None = None) -> LocalLearner:
+    """The one place an in-process learner is made (the factory `remote.make_learner`, the learner
+    process, the Ray actor, Tier 2's arms and `agentrl sft` all come here). `model`: the base
+    model (None: cfg's, loaded on the learner's device, or `device`); `settings`: cfg.learner
+    unless given (sft's lr and clip); `warm_start`: begin from cfg.train.init_adapter (False: a
+    fresh LoRA, as Tier 2 and sft do)."""
+    if model is None:
+        device = device or cfg.learner.device or cfg.model.device
+        model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
+    return LocalLearner(model, settings or cfg.learner, seed=cfg.seed,
+                        init_adapter=cfg.train.init_adapter if warm_start else None, prompt=effective_prompt(cfg))
+
+
+@dataclass
+class UpdatePlan:
+    """What one update will do, decided before any forward pass."""
+
+    work: list  # (item, advantage) with A != 0, in batch order: the only ones that get a forward pass
+    steps: list[list[int]]  # per optimizer step, its minibatch (indices into work)
+    n_total: int  # trajectories in the batch, A = 0 ones included (seq-sum's N)
+    tokens_total: int  # action tokens of the whole batch (token-mean's denominator)
+    tokens_trained: int  # action tokens with A != 0
+
+    @property
+    def multi(self) -> bool:
+        """Several steps: the later ones need the policy before the update (the clipped ratio)."""
+        return len(self.steps) > 1
+
+
+@dataclass
+class StepResult:
+    loss: float  # the sum of the parts' losses
+    grad_norm: float  # before clipping
+    stepped: bool  # False: the loss or the norm was not finite, and the gradients were dropped
+    values: list  # what the loss function handed back, one per part
+
+
+@dataclass
+class _MinibatchRecord:
+    step: StepResult
+    clipped: float  # share of the minibatch's action tokens whose ratio was clipped
+    kl: float  # KL to the reference per action token
+    gap_sum: float  # sum of |sampler logp - learner logp| (measured on a single step's forward only)
+
+
+class LocalLearner:
     def __init__(self, model, cfg: LearnerConfig, seed: int = 0, init_adapter: str | None = None,
                  prompt: dict | None = None):
         """`init_adapter`: a PEFT LoRA directory (e.g. `agentrl sft`'s) the policy starts from,
         trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`.
         `prompt`: the run's prompt settings (`config.effective_prompt`), recorded in every adapter
         this learner writes (agentrl.json), so evaluating one uses the prompt it was trained with."""
-        from peft import PeftModel, get_peft_model
-
-        from agentrl.models import quiet_peft
-
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
         if init_adapter:
@@ -130,7 +166,7 @@ class Learner:
         return adv.to(self.device)
 
     def update(self, batch: list[tuple[object, object]]) -> UpdateStats:
-        """One optimizer step on [(trajectory, advantage), ...] (cut groups never get here); an
+        """One update on [(trajectory, advantage), ...] (cut groups never get here); an
         advantage is a number (GRPO) or a list with one per reply (GiGPO)."""
         try:
             return self._update(batch)
@@ -138,86 +174,118 @@ class Learner:
             if self.device.type == "cuda":  # hand the activations' memory back: a colocated vLLM re-allocates its KV cache next
                 torch.cuda.empty_cache()
 
+    def step(self, parts: list, loss_fn: Callable, max_norm: float | None) -> StepResult:
+        """One optimizer step on a loss the caller defines: `loss_fn(model, part)` -> (the part's
+        loss, anything to hand back); the gradients accumulate over `parts` (micro-batches), are
+        clipped to `max_norm` (None: not clipped; the norm is measured either way), and the
+        optimizer moves unless the loss or the norm is not finite (then the gradients are dropped:
+        Adam would carry the NaN on in its moments)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, values = 0.0, []
+        for part in parts:
+            loss, value = loss_fn(self.model, part)
+            loss.backward()
+            faults.point("update")
+            loss_sum += float(loss.detach())
+            values.append(value)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm or math.inf))
+        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss_sum, norm, False, values)
+        self.optimizer.step()
+        return StepResult(loss_sum, norm, True, values)
+
     def _update(self, batch: list[tuple[object, object]]) -> UpdateStats:
         """`learner.epochs` passes over the batch, each `learner.minibatches` optimizer steps, on the
-        clipped ratio against the policy at the start of the update (its log-probs from a no-grad
-        pass). On the very first minibatch the policy has not moved (r = 1), so that step is the
-        GRPO step itself: with 1 x 1 the update is exactly the single step it always was."""
-        cfg = self.cfg
+        clipped ratio against the policy at the start of the update: plan -> pre-pass (the old and
+        the reference log-probs, no grad) -> the minibatch steps -> one stats record. On the very
+        first minibatch the policy has not moved (r = 1), so that step is the GRPO step itself:
+        with 1 x 1 the update is exactly the single step it always was."""
+        plan = self.plan(batch)
+        if not plan.work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
+            return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
+        old = self._logprobs(plan.work) if plan.multi else None  # the pre-pass: the policy before the update,
+        ref = self._logprobs(plan.work, reference=True) if self.cfg.kl_coef > 0 else None  # and the reference
+        records = []
+        for k, idx in enumerate(plan.steps):
+            # the first step's policy has not moved: r = 1 (GRPO's loss); a single step measures the gap on its forward
+            records.append(self._minibatch(plan, idx, old if k else None, ref, measure_gap=not plan.multi))
+            if not records[0].step.stepped:  # the batch itself is bad: stop here, as a single step would
+                break
+        self.model.eval()
+        return self._stats(plan, records, self._gap(plan, old), ref is not None)
+
+    def plan(self, batch: list[tuple[object, object]]) -> UpdatePlan:
+        """The update's work and optimizer steps. A = 0 contributes exactly zero to the loss and its
+        gradient in every aggregation (it only counts in N or the token total): it gets no forward
+        pass. Zero-variance groups are all A = 0; with per-step advantages (GiGPO) a trajectory
+        whose steps are all A = 0 is left out the same way."""
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
         history = int((self.prompt or {}).get("history") or 0)
         if history:  # prompt.history: each reply was sampled from its own window; train each on it (N stays trajectories)
             batch = per_step_items(batch, history)
-        # A = 0 contributes exactly zero to the loss and its gradient in every aggregation (it only
-        # counts in N or the token total): no forward/backward for it. Zero-variance groups are all A = 0.
-        # Per-step advantages (GiGPO): a trajectory whose steps are all A = 0 is skipped the same way.
         work = [(t, a) for t, a in batch if not is_zero(a)]
-        tokens_trained = sum(trained_tokens(t, a) for t, a in work)
-        if not work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
-            return UpdateStats(0.0, 0.0, n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
-        steps = self._plan(len(work))
-        multi = len(steps) > 1
-        # the policy before the update (and the reference's), per trajectory of `work`: needed once a step has moved it
-        old = self._logprobs(work) if multi else None
-        ref = self._logprobs(work, reference=True) if cfg.kl_coef > 0 else None
-        gap = None
-        if old is not None and tokens_trained:
-            gap = sum(float(((o - torch.tensor(t.logprobs, device=o.device)).abs() * torch.tensor(t.action_mask, device=o.device)).sum())
-                      for o, (t, _) in zip(old, work)) / tokens_trained
-        first = UpdateStats(0.0, 0.0, n_total, tokens_trained, None)
-        clipped, kl, skipped_steps = [], [], 0
-        for k, idx in enumerate(steps):
-            self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            share = len(idx) / len(work)  # a minibatch is normalised as its share of the batch
-            loss_sum, gap_sum, clip_n, kl_sum = 0.0, 0.0, 0.0, 0.0
-            kl_tokens = max(1, sum(trained_tokens(*work[i]) for i in idx)) if ref is not None else 1
-            for start in range(0, len(idx), cfg.micro_batch):
-                part_idx = idx[start : start + cfg.micro_batch]
-                part = [work[i] for i in part_idx]
-                ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
-                adv = self._advantages(part, ids.shape[1])
-                logp = token_logprobs(self.model, ids, attn)
-                if k == 0:  # the policy has not moved: r = 1, and the clipped loss's gradient is this one's
-                    loss, c = grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=n_total * share,
-                                        tokens_total=tokens_total * share), 0.0
-                else:
-                    loss, c = clipped_loss(logp, self._stack(old, part_idx, ids.shape[1]), mask, adv, cfg.clip,
-                                           cfg.loss_agg, n_total=n_total * share, tokens_total=tokens_total * share)
-                if ref is not None:
-                    kl_part = kl_to_reference(logp, self._stack(ref, part_idx, ids.shape[1]), mask)
-                    loss = loss + cfg.kl_coef * kl_part / kl_tokens
-                    kl_sum += float(kl_part.detach())
-                loss.backward()
-                faults.point("update")
-                loss_sum += float(loss.detach())
-                clip_n += float(c) * float(mask.sum())
-                if k == 0 and old is None:  # single step: the gap from this forward (else from the pre-pass)
-                    gap_sum += float(((logp.detach() - sampler_logp).abs() * mask).sum())
-            step_tokens = sum(sum(work[i][0].action_mask) for i in idx)
-            clipped.append(clip_n / max(1, step_tokens))
-            kl.append(kl_sum / max(1, step_tokens))
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip or math.inf))
-            if k == 0:
-                first = UpdateStats(loss_sum, norm, n_total, tokens_trained,
-                                    gap if gap is not None else (gap_sum / tokens_trained if tokens_trained else None))
-            if not (math.isfinite(loss_sum) and math.isfinite(norm)):
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped_steps += 1
-                if k == 0:  # the batch itself is bad: stop here, as a single step would
-                    self.model.eval()
-                    first.skipped, first.stepped, first.optimizer_steps = True, False, 0
-                    return first
-                continue
-            self.optimizer.step()
-        self.model.eval()
-        first.optimizer_steps = len(steps) - skipped_steps
-        first.clip_fraction = sum(clipped) / len(clipped)
-        first.kl = sum(kl) / len(kl) if ref is not None else None
-        return first
+        return UpdatePlan(work, self._minibatches(len(work)) if work else [], n_total, tokens_total,
+                          sum(trained_tokens(t, a) for t, a in work))
 
-    def _plan(self, n: int) -> list[list[int]]:
+    def _gap(self, plan: UpdatePlan, old: list[torch.Tensor] | None) -> float | None:
+        """Mean |sampler logp - learner logp| per trained action token, from the pre-pass."""
+        if old is None or not plan.tokens_trained:
+            return None
+        return sum(float(((o - torch.tensor(t.logprobs, device=o.device)).abs() * torch.tensor(t.action_mask, device=o.device)).sum())
+                   for o, (t, _) in zip(old, plan.work)) / plan.tokens_trained
+
+    def _minibatch(self, plan: UpdatePlan, idx: list[int], old, ref, measure_gap: bool) -> _MinibatchRecord:
+        """One optimizer step on the minibatch `idx`, in micro-batches; `old` None: GRPO's loss (r = 1),
+        else the clipped ratio against it; `ref`: the KL penalty's reference log-probs."""
+        cfg = self.cfg
+        share = len(idx) / len(plan.work)  # a minibatch is normalised as its share of the batch
+        kl_tokens = max(1, sum(trained_tokens(*plan.work[i]) for i in idx)) if ref is not None else 1
+
+        def loss_fn(model, part_idx):
+            part = [plan.work[i] for i in part_idx]
+            ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
+            adv = self._advantages(part, ids.shape[1])
+            logp = token_logprobs(model, ids, attn)
+            if old is None:
+                loss, c = grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=plan.n_total * share,
+                                    tokens_total=plan.tokens_total * share), 0.0
+            else:
+                loss, c = clipped_loss(logp, self._stack(old, part_idx, ids.shape[1]), mask, adv, cfg.clip, cfg.loss_agg,
+                                       n_total=plan.n_total * share, tokens_total=plan.tokens_total * share)
+            kl = 0.0
+            if ref is not None:
+                kl_part = kl_to_reference(logp, self._stack(ref, part_idx, ids.shape[1]), mask)
+                loss = loss + cfg.kl_coef * kl_part / kl_tokens
+                kl = float(kl_part.detach())
+            gap = float(((logp.detach() - sampler_logp).abs() * mask).sum()) if measure_gap else 0.0
+            return loss, (float(c) * float(mask.sum()), kl, gap)
+
+        parts = [idx[start : start + cfg.micro_batch] for start in range(0, len(idx), cfg.micro_batch)]
+        result = self.step(parts, loss_fn, cfg.grad_clip)
+        clip_n = kl_sum = gap_sum = 0.0
+        for c, kl, gap in result.values:  # summed in order, as the micro-batches ran
+            clip_n, kl_sum, gap_sum = clip_n + c, kl_sum + kl, gap_sum + gap
+        step_tokens = max(1, sum(sum(plan.work[i][0].action_mask) for i in idx))
+        return _MinibatchRecord(result, clip_n / step_tokens, kl_sum / step_tokens, gap_sum)
+
+    def _stats(self, plan: UpdatePlan, records: list[_MinibatchRecord], gap: float | None, with_kl: bool) -> UpdateStats:
+        """One record of the update: the first step's loss and gradient norm (today's GRPO step), the
+        gap before any step, the steps taken, the clip and KL means over all steps."""
+        first = records[0]
+        if not plan.multi:
+            gap = first.gap_sum / plan.tokens_trained if plan.tokens_trained else None
+        if not first.step.stepped:
+            return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
+                               skipped=True, stepped=False, optimizer_steps=0)
+        return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
+                           optimizer_steps=sum(r.step.stepped for r in records),
+                           clip_fraction=sum(r.clipped for r in records) / len(records),
+                           kl=sum(r.kl for r in records) / len(records) if with_kl else None)
+
+    def _minibatches(self, n: int) -> list[list[int]]:
         """The optimizer steps of one update: per epoch a permutation of the trajectories (seeded by
         the run seed and adapter version: a resumed run draws the same), cut into `minibatches`
         near-equal parts. The first epoch keeps the batch order."""
@@ -263,40 +331,29 @@ class Learner:
             out[j, : rows[i].shape[0]] = rows[i]
         return out
 
-    def save_adapter(self, root: Path) -> Path:
-        """Write the adapter as `root/v{n+1}` (PEFT format, safetensors) atomically; return its path."""
+    def save(self, root: Path) -> WeightsRef:
+        """Write the weights as `root/v{n+1}` (PEFT format, safetensors) atomically; return their ref."""
         self.version += 1
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"v{self.version}"
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".v{self.version}-"))
-        try:
+        with atomic_path(Path(root) / f"v{self.version}") as tmp:
             self._write_adapter(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
+        return WeightsRef(Path(root) / f"v{self.version}", self.version)
 
     def save_state(self, path: Path) -> None:
         """Adapter, optimizer and torch RNG into `path` (part of a checkpoint; the caller makes it atomic)."""
-        self._write_adapter(path / "adapter")
+        self._write_adapter(path / STATE_WEIGHTS)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")  # LoRA dropout draws from it
 
-    def load_state(self, path: Path, version: int) -> None:
+    def load_state(self, path: Path, version: int) -> WeightsRef:
         """Restore what `save_state` wrote; loads weights only (safetensors, weights_only=True)."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        from agentrl.errors import UserError
-
-        weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+        weights = load_file(str(path / STATE_WEIGHTS / "adapter_model.safetensors"), device=str(self.device))
         result = set_peft_model_state_dict(self.model, weights)
         if getattr(result, "unexpected_keys", None):
             raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
         torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
         self.version = version
+        return WeightsRef(path / STATE_WEIGHTS, version)
 
+    def close(self) -> None:
+        """Nothing to free: the model goes with this object (a learner elsewhere frees its process)."""

@@ -8,7 +8,7 @@
         batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut, audited and
                                                           # env-failed groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
-        sampler.load_adapter(learner.save_adapter())      # swap: the sampler uses the new version
+        sampler.load_adapter(learner.save())              # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
         selection.observe(rollout.groups)                 # stages learn the outcome (GRESO streaks, ARRoL head)
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
@@ -263,7 +263,7 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
     finally:
         if envs is not None:
             envs.shutdown()
-        if owned and learner is not None and hasattr(learner, "close"):
+        if owned and learner is not None:
             learner.close()
         if owned_sampler and sampler is not None and hasattr(sampler, "close"):
             sampler.close()  # sampler replicas (Ray actors) hold their GPUs until then
@@ -280,10 +280,10 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
     if resume:
         checkpoint.clean_partial(run)  # what a kill left half-written
     if last is not None:
-        state = checkpoint.load(last, learner)
+        state, weights = checkpoint.load(last, learner)
         tasks.restore(state.task_rng)
         selection.load_state_dict(state.select)
-        sampler.load_adapter(str(last / "adapter"), state.adapter_version)
+        sampler.load_adapter(weights.path, weights.version)
     elif cfg.train.init_adapter:  # warm start (`agentrl sft`): the sampler serves it as version 0
         sampler.load_adapter(cfg.train.init_adapter, 0)
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
@@ -320,8 +320,8 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         t2 = time.perf_counter()
         if stats.stepped:                                                                         # swap
             hooks.phase("swap")
-            adapter = learner.save_adapter(run / "adapters")
-            sampler.load_adapter(str(adapter), learner.version)
+            weights = learner.save(run / "adapters")
+            sampler.load_adapter(weights.path, weights.version)
             prune_adapters(run / "adapters", cfg.train.keep_adapters)
         t3 = time.perf_counter()
         state.bad_updates = state.bad_updates + 1 if stats.skipped else 0

@@ -26,7 +26,6 @@ from agentrl.errors import UserError
 SAFETY = 1.3
 LOGIT_COPIES = 3  # a chunk's fp32 logits, its log-softmax, and their gradient
 RESERVE_BYTES = 1 << 30  # Python, torch's own buffers, env workers' share of this machine
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _gb(n: int) -> str:

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 
-from agentrl.config import effective_prompt
 from agentrl.errors import UserError
 from agentrl.rollout.signals import SIGNALS, Trace, signals_at
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
@@ -437,7 +436,7 @@ def run_offpolicy_ab(
     `progress(arm, step, steps, row)` is called after every step. Arms run one after the other;
     each arm's model is released before the next loads.
     """
-    from agentrl.train.learner import Learner
+    from agentrl.train.learner import build_learner
 
     gate = parse_gate(gate) if isinstance(gate, str) else gate
     _check_ab(cfg, buffer, steps, groups_per_step, positions, gate, arms)
@@ -450,7 +449,7 @@ def run_offpolicy_ab(
 
     results = {}
     for name in arms:
-        learner = Learner(loader(), cfg.learner, seed=cfg.seed, prompt=effective_prompt(cfg))
+        learner = build_learner(cfg, loader(), warm_start=False)  # each arm from the base model's fresh LoRA
         if first is not None:
             _warm_up(learner, first)
         cut = fires if name == "gated" else [False] * len(buffer)

@@ -1,50 +1,45 @@
-"""The learner as a Ray actor (`agentrl train --ray-address ...`): the same interface as the
-learner process of the two-device layout (remote.py; what they share is in handoff.py): update, save_adapter, save_state,
-load_state, version, close. Its GPU (when it trains on one) is reserved through a placement
-group. Adapters and checkpoint states travel as bytes through the object store and are written
-by the driver into the run directory, so checkpoints and `--resume` work unchanged whichever
-node the actor runs on. A dead actor is noticed at the next call: LearnerDied, and the run keeps
-its last complete iteration.
+"""The learner as a Ray actor (`agentrl train --ray-address ...`): it implements the `Learner`
+protocol (handoff.py) like the learner process of the two-device layout (remote.py). Its GPU
+(when it trains on one) is reserved through a placement group. Weights and checkpoint states
+travel as bytes through the object store (`PackedWeights`, `read_tree`) and are written by the
+driver into the run directory, so checkpoints and `--resume` work unchanged whichever node the
+actor runs on. A dead actor is noticed at the next call: LearnerDied, and the run keeps its last
+complete iteration.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from agentrl.config import effective_prompt
-from agentrl.train.handoff import LearnerDied, TrainItem, train_items
+from agentrl import cluster
+from agentrl.errors import UserError
+from agentrl.io import read_tree, write_tree
+from agentrl.train.handoff import STATE_WEIGHTS, LearnerDied, PackedWeights, from_train_items, train_items
+from agentrl.train.learner import build_learner
+from agentrl.weights import WeightsRef
 
 
 class LearnerActor:
     def __init__(self, cfg, gpus: int):
-        import dataclasses
-
-        from agentrl.models import load_model
-        from agentrl.train.learner import Learner
-
         device = "cuda" if gpus else "cpu"  # Ray shows the actor only its own GPU
         cfg = dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, device=device))
-        model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
-        self.learner = Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter,
-                               prompt=effective_prompt(cfg))
+        self.learner = build_learner(cfg)
 
     def update(self, items):
-        return self.learner.update([(TrainItem(*item), adv) for item, adv in items])
+        return self.learner.update(from_train_items(items))
 
-    def save_adapter(self) -> tuple[dict, int]:
-        from agentrl.io import read_tree
-
+    def save(self) -> PackedWeights:
         root = Path(tempfile.mkdtemp(prefix="agentrl-learner-"))
         try:
-            return read_tree(self.learner.save_adapter(root)), self.learner.version
+            return PackedWeights.pack(self.learner.save(root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
 
     def save_state(self) -> dict:
-        from agentrl.io import read_tree
-
         root = Path(tempfile.mkdtemp(prefix="agentrl-state-"))
         try:
             self.learner.save_state(root)
@@ -53,8 +48,6 @@ class LearnerActor:
             shutil.rmtree(root, ignore_errors=True)
 
     def load_state(self, files: dict, version: int) -> None:
-        from agentrl.io import write_tree
-
         root = write_tree(files, tempfile.mkdtemp(prefix="agentrl-state-"))
         try:
             self.learner.load_state(root, version)
@@ -62,8 +55,6 @@ class LearnerActor:
             shutil.rmtree(root, ignore_errors=True)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -76,12 +67,10 @@ def learner_gpus(cfg, cluster_gpus: float) -> int:
 
 class RayLearner:
     def __init__(self, cfg):
+        # Ray is an optional dependency (agentrl[ray]): imported only when a Ray learner is made
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from agentrl import cluster
-        from agentrl.errors import UserError
 
         gpus = learner_gpus(cfg, cluster.resources().get("GPU", 0))
         if gpus > cluster.resources().get("GPU", 0):
@@ -95,7 +84,7 @@ class RayLearner:
         self.pid = self._call(self.actor.pid.remote(), "start-up")
 
     def _call(self, ref, what: str):
-        import ray
+        import ray  # optional dependency (see __init__)
 
         try:
             return ray.get(ref)
@@ -108,32 +97,22 @@ class RayLearner:
     def update(self, batch):
         return self._call(self.actor.update.remote(train_items(batch)), "update")
 
-    def save_adapter(self, root: Path) -> Path:
-        """Written here by the driver as root/v{n}, atomically (temp dir, then rename)."""
-        from agentrl.io import write_tree
-
-        files, self.version = self._call(self.actor.save_adapter.remote(), "save_adapter")
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"v{self.version}"
-        tmp = write_tree(files, tempfile.mkdtemp(dir=root, prefix=f".v{self.version}-"))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
+    def save(self, root: Path) -> WeightsRef:
+        """Written here by the driver as root/v{n}, atomically."""
+        ref = self._call(self.actor.save.remote(), "save").unpack(root)
+        self.version = ref.version
+        return ref
 
     def save_state(self, path: Path) -> None:
-        from agentrl.io import write_tree
-
         write_tree(self._call(self.actor.save_state.remote(), "save_state"), path)
 
-    def load_state(self, path: Path, version: int) -> None:
-        from agentrl.io import read_tree
-
+    def load_state(self, path: Path, version: int) -> WeightsRef:
         self._call(self.actor.load_state.remote(read_tree(path), version), "load_state")
         self.version = version
+        return WeightsRef(path / STATE_WEIGHTS, version)
 
     def close(self) -> None:
-        import ray
+        import ray  # optional dependency (see __init__)
         from ray.util.placement_group import remove_placement_group
 
         try:

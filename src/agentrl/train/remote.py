@@ -6,22 +6,26 @@ plain token ids, masks, sampler log-probs and advantages, and gets back the upda
 and the new adapter version, written to the run's versioned adapter directory; the sampler
 then hot-swaps it. Checkpoint state is written and read by the learner process itself.
 
-`RemoteLearner` has the same methods the loop uses on `Learner` (update, save_adapter,
-save_state, load_state, version), so the loop does not know which layout it drives. If the
-learner process dies, the next call raises `LearnerDied` at once (we poll the process while
-waiting) instead of hanging; the run is resumable from its last checkpoint.
+`RemoteLearner` implements the `Learner` protocol (handoff.py), so the loop does not know which
+layout it drives; the `WeightsRef` a save returns crosses the pipe as it is (the run directory
+is on this machine). If the learner process dies, the next call raises `LearnerDied` at once (we
+poll the process while waiting) instead of hanging; the run is resumable from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import time
 from pathlib import Path
 
-from agentrl.config import effective_prompt
 from agentrl.errors import UserError
-from agentrl.train.handoff import LearnerDied, TrainItem, train_items
+from agentrl.train.handoff import Learner, LearnerDied, TrainItem, from_train_items, train_items
+from agentrl.train.learner import build_learner
+from agentrl.train.ray_learner import RayLearner  # imports Ray itself only when one is made (--ray-address)
+from agentrl.weights import WeightsRef
 
-__all__ = ["LearnerDied", "RemoteLearner", "TrainItem", "make_learner", "resolve_layout", "train_items"]
+__all__ = ["Learner", "LearnerDied", "RemoteLearner", "TrainItem", "make_learner", "resolve_layout", "train_items"]
 
 
 def resolve_layout(cfg) -> str:
@@ -35,31 +39,19 @@ def resolve_layout(cfg) -> str:
     return "colocate"
 
 
-def make_learner(cfg):
+def make_learner(cfg) -> Learner:
     """The learner for cfg's layout: in this process, or in its own; on a Ray cluster, an actor."""
     if cfg.cluster.ray_address:
-        from agentrl.train.ray_learner import RayLearner
-
         return RayLearner(cfg)
     if resolve_layout(cfg) == "split":
         return RemoteLearner(cfg)
-    from agentrl.models import load_model
-    from agentrl.train.learner import Learner
-
-    device = cfg.learner.device or cfg.model.device
-    model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
-    return Learner(model, cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter, prompt=effective_prompt(cfg))
+    return build_learner(cfg)
 
 
 def _serve(conn, cfg) -> None:
     """The learner process: load the model on its device, then answer requests until 'close'."""
-    from agentrl.models import load_model
-    from agentrl.train.learner import Learner
-
     try:
-        device = cfg.learner.device or cfg.model.device
-        learner = Learner(load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0],
-                          cfg.learner, seed=cfg.seed, init_adapter=cfg.train.init_adapter, prompt=effective_prompt(cfg))
+        learner = build_learner(cfg)
     except BaseException as e:  # noqa: BLE001 - reported to the main process as one line
         conn.send(("error", f"{e.__class__.__name__}: {e}"))
         return
@@ -71,16 +63,14 @@ def _serve(conn, cfg) -> None:
             return
         try:
             if op == "update":
-                result = learner.update([(TrainItem(*item), adv) for item, adv in args])
-            elif op == "save_adapter":
-                result = (str(learner.save_adapter(Path(args))), learner.version)
+                result = learner.update(from_train_items(args))
+            elif op == "save":
+                result = learner.save(Path(args))
             elif op == "save_state":
                 result = learner.save_state(Path(args))
             elif op == "load_state":
                 result = learner.load_state(Path(args[0]), args[1])
             elif op == "pid":
-                import os
-
                 result = os.getpid()
             else:
                 raise ValueError(f"unknown request {op!r}")
@@ -105,8 +95,6 @@ class RemoteLearner:
         return self.process.pid
 
     def _call(self, op: str | None, args, timeout_s: float | None = None):
-        import time
-
         what = op or "start-up"
         try:
             if op is not None:
@@ -129,16 +117,18 @@ class RemoteLearner:
     def update(self, batch):
         return self._call("update", train_items(batch))
 
-    def save_adapter(self, root: Path) -> Path:
-        path, self.version = self._call("save_adapter", str(root))
-        return Path(path)
+    def save(self, root: Path) -> WeightsRef:
+        ref = self._call("save", str(root))
+        self.version = ref.version
+        return ref
 
     def save_state(self, path: Path) -> None:
         self._call("save_state", str(path))
 
-    def load_state(self, path: Path, version: int) -> None:
-        self._call("load_state", (str(path), version))
+    def load_state(self, path: Path, version: int) -> WeightsRef:
+        ref = self._call("load_state", (str(path), version))
         self.version = version
+        return ref
 
     def close(self) -> None:
         if self.process.is_alive():

@@ -19,13 +19,12 @@ the dataset is what the policy will see at rollout time, token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +32,15 @@ from pathlib import Path
 import torch
 
 from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
-from agentrl.env import env_factory, find_games, prompt_options
+from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import UserError
+from agentrl.io import atomic_path, atomic_write_jsonl
+from agentrl.models import cache_root, load_model
+from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply_text
+from agentrl.rollout import ModelPolicy, run_lockstep
+from agentrl.rollout.trajectory import step_sequences
 from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.train.learner import LocalLearner, build_learner
 
 log = logging.getLogger(__name__)
 DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
@@ -52,16 +57,12 @@ class ExpertSampler:
     whole key (game, index): replaying an eval's recorded episodes (benchmarks/bench_context.py)."""
 
     def __init__(self, tokenizer, walkthroughs: dict, reply: str | None):
-        from agentrl.prompt import ChatRenderer
-
         self.tokenizer, self.walkthroughs, self.reply = tokenizer, walkthroughs, reply
         self.end_of_turn = ChatRenderer(tokenizer).end_of_turn_ids
         self.adapter_version = None
         self._steps: dict = {}
 
     def generate(self, prompts, params: SamplingParams, seeds=None, keys=None) -> list[Completion]:
-        from agentrl.prompt import reply_text
-
         out = []
         for prompt, key in zip(prompts, keys):
             step = self._steps.get(key, 0)
@@ -129,8 +130,6 @@ def select_games(cfg: Config, split: str, n: int | None):
 
 def dataset_key(games, cfg: Config, tokenizer) -> str:
     """Changes with the games (and their walkthroughs), the prompt text and variant, the tokenizer."""
-    from agentrl.prompt import SYSTEM_FILES, default_prompt_dir
-
     prompt_dir = Path(cfg.prompt.dir) if cfg.prompt.dir else default_prompt_dir()
     h = hashlib.sha256()
     h.update(json.dumps([DATASET_VERSION, cfg.env.kind, cfg.prompt.example, cfg.prompt.reply,
@@ -152,9 +151,6 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     """Replay each game's walkthrough (one trajectory per game, all in lockstep) with the prompt
     `cfg.prompt` asks for. A walkthrough that does not win its game is reported and skipped.
     With `cache_dir` the examples are kept there, keyed by games, prompt and tokenizer."""
-    from agentrl.rollout import ModelPolicy, run_lockstep
-    from agentrl.rollout.trajectory import step_sequences
-
     cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
     if cache is not None and cache.is_file():
         rows = [json.loads(line) for line in cache.read_text().splitlines()]
@@ -177,8 +173,6 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
             skipped.append((t.game.game_id, why))
     env_failed = any(t.stop_reason == "env_error" for t in (rollout.trajectories if rollout else []))
     if cache is not None and not env_failed:  # an env failure may pass: do not remember it
-        from agentrl.io import atomic_write_jsonl
-
         atomic_write_jsonl(cache, [e.__dict__ for e in examples] + [{"game_id": g, "skipped": w} for g, w in skipped])
     return ExpertData(examples, skipped)
 
@@ -241,16 +235,6 @@ class SftHooks:
     done: callable = lambda row: None
 
 
-def lora_model(model, cfg: Config):
-    from peft import get_peft_model
-
-    from agentrl.models import quiet_peft
-    from agentrl.train.learner import lora_config
-
-    with quiet_peft():
-        return get_peft_model(model, lora_config(cfg.learner))
-
-
 def check_out_dir(out: Path, force: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise UserError(f"{out} already exists; choose another --out or overwrite it with --force")
@@ -295,9 +279,6 @@ def reusable(cfg: Config, out: Path) -> dict | None:
 def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
             cache_dir: Path | None = None) -> dict:
     """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json."""
-    from agentrl.env import open_envs
-    from agentrl.models import cache_root, load_model
-
     hooks = hooks or SftHooks()
     cfg = sft_prompt(cfg)
     s = cfg.sft
@@ -307,6 +288,31 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     t0 = time.perf_counter()
     if model is None or tokenizer is None:
         model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
+    data, held = replay(cfg, games, heldout_games, tokenizer, cache_dir, hooks)
+    replay_s = time.perf_counter() - t0
+    learner = sft_learner(cfg, model)
+    rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
+             "reply_tokens": sum(e.reply_tokens for e in data.examples),
+             "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
+             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg)}]
+    rows += train_epochs(cfg, learner, data.examples, held.examples, hooks, replay_s)
+    summary = {
+        "prompt": effective_prompt(cfg),
+        "base_model": cfg.model.name,
+        "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
+        "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+                "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
+                "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
+        "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
+        "minutes": round((time.perf_counter() - t0) / 60, 2),
+        "recipe": recipe(cfg),
+    }
+    write_adapter(learner.model, out, summary, rows, force)
+    return summary
+
+
+def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None, hooks: SftHooks) -> tuple[ExpertData, ExpertData]:
+    """The expert data to learn from and the held-out one (the walkthroughs replayed, or the cache)."""
     cache_dir = cache_dir if cache_dir is not None else cache_root() / "sft-data"
     envs = open_envs(cfg)
     try:
@@ -321,13 +327,34 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         log.warning("walkthrough of %s skipped: %s", game_id, why)
     if not data.examples:
         raise UserError(f"none of the {len(games)} selected walkthroughs could be replayed to a win; nothing to learn")
-    replay_s = time.perf_counter() - t0
+    return data, held
 
-    torch.manual_seed(cfg.seed)
-    policy = lora_model(model, cfg)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=cfg.learner.weight_decay)
-    batches = micro_batches(data.examples, s.token_budget)
+
+def sft_learner(cfg: Config, model) -> LocalLearner:
+    """The learner behaviour cloning trains through: the run's LoRA (rank, target modules, weight
+    decay), freshly initialised from cfg.seed (GRPO then continues it), AdamW at sft.lr, clipped
+    at sft.grad_clip. No KL reference and no activation checkpointing: sft never used them."""
+    settings = dataclasses.replace(cfg.learner, lr=cfg.sft.lr, grad_clip=cfg.sft.grad_clip, kl_coef=0.0,
+                                   gradient_checkpointing=False)
+    return build_learner(cfg, model, settings=settings, warm_start=False)
+
+
+def nll_loss(n_tokens: int):
+    """The loss of one optimizer step: the token-mean NLL over its `n_tokens` reply tokens, one
+    micro-batch at a time; each hands back its NLL sum (the epoch's train NLL)."""
+    def loss_fn(model, batch: list[Example]):
+        loss_sum, _ = masked_nll_sum(model, batch)
+        return loss_sum / n_tokens, float(loss_sum.detach())
+
+    return loss_fn
+
+
+def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], held: list[Example], hooks: SftHooks,
+                 replay_s: float) -> list[dict]:
+    """`sft.epochs` passes over the examples through `learner.step`; one row before (the held-out
+    NLL of the fresh LoRA) and one per epoch."""
+    s = cfg.sft
+    batches = micro_batches(examples, s.token_budget)
     rng = random.Random(cfg.seed)
     orders = []
     for _ in range(s.epochs):  # every epoch's batch order up front: the lr schedule needs the step count
@@ -336,52 +363,30 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         orders.append(order)
     # a game's worth of examples: 1, or its steps under prompt.history (one example per reply), so a
     # step holds batch_games games' replies whichever way the prompt is cut
-    per_game = len(data.examples) / max(1, len({e.game_id for e in data.examples}))
+    per_game = len(examples) / max(1, len({e.game_id for e in examples}))
     epoch_steps = [len(optimizer_steps(order, s.batch_games, per_game)) for order in orders]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(s, sum(epoch_steps)))
-    rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
-             "reply_tokens": sum(e.reply_tokens for e in data.examples),
-             "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
-             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg)}]
-    rows.append({"kind": "epoch", "epoch": 0, "train_nll": None,
-                 "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "elapsed_s": round(replay_s, 3)})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lr_lambda(s, sum(epoch_steps)))
+    rows = [{"kind": "epoch", "epoch": 0, "train_nll": None,
+             "heldout_nll": heldout_nll(learner.model, held, s.token_budget), "elapsed_s": round(replay_s, 3)}]
     hooks.done(rows[-1])
     train_t0 = time.perf_counter()
     for epoch, order in enumerate(orders, start=1):
-        policy.train()
         hooks.phase("train", len(order))
         epoch_sum, epoch_n = 0.0, 0
         for pending in optimizer_steps(order, s.batch_games, per_game):
             n_tokens = sum(sum(e.reply_tokens for e in b) for b in pending)
-            optimizer.zero_grad(set_to_none=True)
-            for b in pending:  # the token-mean NLL over the step's games, accumulated micro-batch by micro-batch
-                loss_sum, _ = masked_nll_sum(policy, b)
-                (loss_sum / n_tokens).backward()
-                epoch_sum += float(loss_sum.detach())
-            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-            optimizer.step()
+            for nll_sum in learner.step(pending, nll_loss(n_tokens), s.grad_clip).values:
+                epoch_sum += nll_sum
             scheduler.step()
             epoch_n += n_tokens
             hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
-        policy.eval()
+        learner.model.eval()
         rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
-                     "heldout_nll": heldout_nll(policy, held.examples, s.token_budget), "steps": epoch_steps[epoch - 1],
+                     "heldout_nll": heldout_nll(learner.model, held, s.token_budget), "steps": epoch_steps[epoch - 1],
                      "lr_end": scheduler.get_last_lr()[0],
                      "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
         hooks.done(rows[-1])
-    summary = {
-        "prompt": effective_prompt(cfg),
-        "base_model": cfg.model.name,
-        "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
-        "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
-                "optimizer_steps": sum(epoch_steps), "schedule": s.schedule, "warmup": s.warmup,
-                "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
-        "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
-        "minutes": round((time.perf_counter() - t0) / 60, 2),
-        "recipe": recipe(cfg),
-    }
-    write_adapter(policy, out, summary, rows, force)
-    return summary
+    return rows
 
 
 def optimizer_steps(order: list[list[Example]], batch_games: int, per_game: float = 1.0) -> list[list[list[Example]]]:
@@ -419,16 +424,9 @@ def lr_lambda(s, total_steps: int):
 def write_adapter(policy, out: Path, summary: dict, rows: list[dict], force: bool) -> None:
     """DIR = adapter_config.json + adapter_model.safetensors + agentrl.json + sft_metrics.jsonl,
     written in a temporary sibling and renamed: DIR is complete or absent."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with atomic_path(out) as tmp:
         policy.save_pretrained(tmp, safe_serialization=True)
         (tmp / ADAPTER_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
         (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if out.exists():
-            check_out_dir(out, force)
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            check_out_dir(out, force)  # --force or an empty directory: it is replaced
