@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader never sees a half-written file."""
+"""Atomic file writes (a reader never sees a half-written file), and the one JSONL reader."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
+
+from agentrl.errors import UserError
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -46,3 +49,35 @@ def write_tree(files: dict[str, bytes], root: str | os.PathLike) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return root
+
+
+def read_jsonl_numbered(path: str | os.PathLike, bad: str = "not a JSON line",
+                        on_skip: Callable[[str], None] | None = None) -> list[tuple[int, Any]]:
+    """The JSON values of a JSONL file with their line numbers (1-based); blank lines are skipped.
+
+    The torn-line rule, the same for every reader: a LAST line that does not parse is a write cut
+    short (a crash or a full disk mid-append) and is dropped; a line elsewhere that does not parse
+    is damage, a UserError naming file and line (`{path}:{n}: {bad}`). `on_skip`, when given,
+    hears of each line dropped ("{path}: torn last line skipped") and makes damage elsewhere a
+    skipped line too ("{path}: unparsable line {n} skipped"): a reader that reports what it can."""
+    path = Path(path)
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError:
+            if n != last and on_skip is None:
+                raise UserError(f"{path}:{n}: {bad}") from None
+            if on_skip is not None:
+                on_skip(f"{path}: {'torn last line' if n == last else f'unparsable line {n}'} skipped")
+    return rows
+
+
+def read_jsonl(path: str | os.PathLike, bad: str = "not a JSON line",
+               on_skip: Callable[[str], None] | None = None) -> list:
+    """The JSON values of a JSONL file, under read_jsonl_numbered's torn-line rule."""
+    return [value for _, value in read_jsonl_numbered(path, bad, on_skip)]
