@@ -34,9 +34,9 @@ def main() -> None:
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.ClickException) or type(e).__module__.startswith("typer."):
             if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # one line, as for every bad input
+                removed = REMOVED_FLAGS.get(getattr(getattr(e, "ctx", None), "info_name", None), {})
                 flag = getattr(e, "option_name", None)
-                message = (f"{flag} was removed: use {REMOVED_FLAGS[flag]}" if flag in REMOVED_FLAGS
-                           else f"{e.format_message()} (see --help)")
+                message = f"{flag} was removed: use {removed[flag]}" if flag in removed else f"{e.format_message()} (see --help)"
                 err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
                 sys.exit(e.exit_code)
         raise

@@ -67,9 +67,9 @@ DataOpt = opt(OptStr, "data.root", "ALFWorld data root (default: $ALFWORLD_DATA,
 GroupSizeOpt = opt(OptInt, "rollout.group_size", "G: trajectories per task.", "--group-size", "-G")
 GateOrTauOpt = opt(OptFloat, "rollout.gate_or_tau", "OR-rule: also cut when >= this share finished by K.")
 
-# Removed flags: each answers with one line naming its replacement (exit 2), see cli.main.
-REMOVED_FLAGS = {
+# Removed flags, per command: each answers with one line naming its replacement (exit 2), see cli.main.
+REMOVED_FLAGS = {"train": {
     "--dapo-filter": "--select dapo",
     "--no-dapo-filter": "--select without dapo",
     "--colocate": "--layout colocate",
-}
+}}

@@ -12,14 +12,12 @@ from agentrl.cli.display import (console, err, metrics_line, print_curve, print_
 from agentrl.cli.options import (AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
-from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
 from agentrl.config import SPLITS, load_config
 from agentrl.env import open_envs
 from agentrl.errors import UserError
 from agentrl.evaluate import prepare_eval, run_eval
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.models import resolve_model
-from agentrl.train.offpolicy import load_buffer, offpolicy_markdown, run_offpolicy_ab
 
 
 # ---------------------------------------------------------------- eval
@@ -96,7 +94,9 @@ def rollout_cmd(
     out: opt(Optional[Path], None, "Output directory (default runs/rollout-<time>).") = None,
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
-    from agentrl.sampling.kv import check_kv_fits  # torch: not for --help or the light commands
+    # scipy and torch, not for --help or the light commands (two imports until collect checks the KV budget itself)
+    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
+    from agentrl.sampling.kv import check_kv_fits
 
     cfg = load_config(config, overrides(rollout_cmd, locals()))
     the_gate = cfg.rollout.parsed_gate()
@@ -221,6 +221,8 @@ def train_cmd(
 
 def offpolicy_cmd(cfg, buffer_path: Path, plan) -> None:
     """Tier 2: the same sampled groups through a fresh learner per arm; the Table 4 analogue."""
+    from agentrl.train.offpolicy import load_buffer, offpolicy_markdown, run_offpolicy_ab  # numpy: not for --help
+
     buffer = load_buffer(buffer_path)
     if buffer.skipped_cut:
         err.print(f"[yellow]{buffer.skipped_cut} group(s) were cut during the rollout and are skipped "

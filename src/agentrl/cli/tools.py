@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from agentrl.analysis.gate import analyze
 from agentrl.cli.app import app, data_app, model_app
 from agentrl.cli.display import console, print_analysis, print_checks, print_comparison, print_games, print_report_tables
 from agentrl.cli.options import DataOpt
@@ -35,6 +34,8 @@ def analyze_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random-cut baseline and the bootstrap.")] = 0,
 ) -> None:
     """Spearman/AUROC of the seven signals, the d_L sweep, calibration, per-type AUROC, bootstrap CIs, figures."""
+    from agentrl.analysis.gate import analyze  # scipy: not for --help or the light commands
+
     if not 0 <= precision_floor <= 1:
         raise UserError(f"--precision-floor must be in [0, 1], got {precision_floor}")
     if d_l is not None and not 0 <= d_l <= 1:

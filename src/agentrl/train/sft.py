@@ -35,6 +35,7 @@ import torch
 from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
 from agentrl.env import env_factory, find_games, prompt_options
 from agentrl.errors import UserError
+from agentrl.io import read_jsonl
 from agentrl.sampling.base import Completion, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
 
     cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
     if cache is not None and cache.is_file():
-        rows = [json.loads(line) for line in cache.read_text().splitlines()]
+        rows = read_jsonl(cache)
         return ExpertData([Example(**r) for r in rows if "token_ids" in r],
                           [(r["game_id"], r["skipped"]) for r in rows if "skipped" in r], cached=True)
     no_walkthrough = [g for g in games if not g.walkthrough]
