@@ -382,6 +382,9 @@ def test_jsonl_reader_drops_a_torn_last_line_and_names_a_bad_line_elsewhere(tmp_
     assert skipped == [f"{f}: unparsable line 2 skipped"]
     f.write_text('{"a": 1}\n{"a": ')
     assert read_jsonl(f, on_skip=skipped.append) == [{"a": 1}] and skipped[-1] == f"{f}: torn last line skipped"
+    f.write_text('{"a": 1}\nnot json\n')  # a complete last line (its newline written) is no torn write
+    with pytest.raises(UserError, match=rf"^{f}:2: not a JSON line$"):
+        read_jsonl(f)
 
 
 def test_signal_choice_puts_d_k_beside_the_other_signal_furthest_from_chance():

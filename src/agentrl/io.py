@@ -55,14 +55,17 @@ def read_jsonl_numbered(path: str | os.PathLike, bad: str = "not a JSON line",
                         on_skip: Callable[[str], None] | None = None) -> list[tuple[int, Any]]:
     """The JSON values of a JSONL file with their line numbers (1-based); blank lines are skipped.
 
-    The torn-line rule, the same for every reader: a LAST line that does not parse is a write cut
-    short (a crash or a full disk mid-append) and is dropped; a line elsewhere that does not parse
-    is damage, a UserError naming file and line (`{path}:{n}: {bad}`). `on_skip`, when given,
-    hears of each line dropped ("{path}: torn last line skipped") and makes damage elsewhere a
-    skipped line too ("{path}: unparsable line {n} skipped"): a reader that reports what it can."""
+    The torn-line rule, the same for every reader: a last line that does not parse and has no
+    closing newline is a write cut short (a crash or a full disk mid-append: the newline is the
+    last byte written) and is dropped; any other line that does not parse is damage, a UserError
+    naming file and line (`{path}:{n}: {bad}`). `on_skip`, when given, hears of each line dropped
+    and makes damage a skipped line too ("{path}: torn last line skipped" for the last line,
+    "{path}: unparsable line {n} skipped" elsewhere): a reader that reports what it can."""
     path = Path(path)
-    lines = path.read_text(errors="replace").splitlines()
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    torn = last if last == len(lines) and not text.endswith("\n") else None
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -70,7 +73,7 @@ def read_jsonl_numbered(path: str | os.PathLike, bad: str = "not a JSON line",
         try:
             rows.append((n, json.loads(line)))
         except json.JSONDecodeError:
-            if n != last and on_skip is None:
+            if n != torn and on_skip is None:
                 raise UserError(f"{path}:{n}: {bad}") from None
             if on_skip is not None:
                 on_skip(f"{path}: {'torn last line' if n == last else f'unparsable line {n}'} skipped")
