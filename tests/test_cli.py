@@ -192,7 +192,7 @@ def test_an_adapter_for_another_model_is_refused(tmp_path, tiny_actor_dir, token
 def test_stage_totals_add_up_over_iterations(monkeypatch):
     """The run-totals table sums each stage's decisions and step-tokens over the iterations, and
     keeps a decision kind a stage never took (count 0) visible."""
-    from agentrl import cli
+    from agentrl.cli import display as cli
 
     def it(cut, filtered, gen, excl):
         return {"trajectories_generated": 8, "trajectories_trained": 4, "step_tokens_generated": gen,
@@ -214,7 +214,7 @@ def test_stage_totals_add_up_over_iterations(monkeypatch):
 def test_run_totals_say_how_much_advantage_the_gate_dropped(monkeypatch):
     """With audited groups in the run, the totals give the advantage L2 in the loss vs in the
     groups the gate would have cut (summed in squares over iterations) and the mean dropped share."""
-    from agentrl import cli
+    from agentrl.cli import display as cli
 
     def it(kept, audited, share):
         return {"stages": {"cut": {"decisions": {"groups_cut": 1}}},
@@ -284,7 +284,9 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
 
     from rich.console import Console
 
-    from agentrl.cli import LineProgress, TextColumn, start_phase
+    from rich.progress import TextColumn
+
+    from agentrl.cli.display import LineProgress, start_phase
 
     buf = io.StringIO()
     bar = LineProgress(TextColumn("{task.description}"), console=Console(file=buf, force_terminal=False))
@@ -315,3 +317,95 @@ def test_usage_errors_are_one_line_too(args, pattern):
     """The parser's own errors (unknown flag, bad type, missing argument, unknown command) read
     like agentrl's: one line, exit 2, whichever copy of click the installed typer uses."""
     assert_clean_error(agentrl(*args), pattern)
+
+
+@pytest.mark.parametrize("flag, replacement", [
+    ("--dapo-filter", "--select dapo"), ("--no-dapo-filter", "--select without dapo"), ("--colocate", "--layout colocate"),
+])
+def test_a_removed_flag_names_its_replacement(tmp_path, flag, replacement):
+    """A superseded flag is gone from --help and answers with one line naming what replaces it, exit 2."""
+    out = tmp_path / "out"
+    assert_clean_error(agentrl("train", flag, "--out", str(out)), rf"^error: {flag} was removed: use {replacement}$")
+    assert not out.exists()
+    assert flag not in agentrl("train", "--help", env={"COLUMNS": "200"}).stdout
+    assert_clean_error(agentrl("eval", flag), rf"^error: No such option: {flag}")  # never an eval flag: the parser's own line
+
+
+def test_every_option_sets_a_real_config_field():
+    """Each option that carries a config path names a field of the config tree, so the overrides a
+    command builds from its options are the ones load_config takes; train's are the old hand-written set."""
+    import dataclasses
+
+    from agentrl.cli import run
+    from agentrl.cli.options import overrides
+    from agentrl.config import Config
+
+    def fields(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            yield from fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [f"{prefix}{f.name}"]
+
+    known = set(fields(Config()))
+    for command, n in ((run.eval_cmd, 17), (run.rollout_cmd, 20), (run.train_cmd, 38), (run.sft_cmd, 9)):
+        paths = overrides(command, {name: None for name in command.__code__.co_varnames})
+        assert set(paths) <= known and len(paths) == n, (command.__name__, set(paths) - known, len(paths))
+    train = overrides(run.train_cmd, {name: None for name in run.train_cmd.__code__.co_varnames})
+    assert "train.dapo_filter" not in train and {"train.layout", "select.stages", "learner.micro_batch"} <= set(train)
+
+
+def test_options_become_overrides_with_their_conversions():
+    from agentrl.cli import run
+    from agentrl.cli.options import overrides
+
+    values = {name: None for name in run.eval_cmd.__code__.co_varnames} | {"trust_remote_code": False, "limit": 3, "split": "valid_seen"}
+    got = overrides(run.eval_cmd, values)
+    assert got["model.trust_remote_code"] is None  # not given: the config's own value stands
+    assert got["eval.limit"] == 3 and got["eval.split"] == "valid_seen"
+    assert overrides(run.eval_cmd, values | {"trust_remote_code": True})["model.trust_remote_code"] is True
+
+
+def test_jsonl_reader_drops_a_torn_last_line_and_names_a_bad_line_elsewhere(tmp_path):
+    """One torn-line rule for every reader: a torn last line is a write cut short (dropped); a bad
+    line elsewhere is damage (an error naming file and line), unless the reader asks to skip it."""
+    from agentrl.errors import UserError
+    from agentrl.io import read_jsonl, read_jsonl_numbered
+
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3, "b"')
+    assert read_jsonl(f) == [{"a": 1}, {"a": 2}]
+    assert read_jsonl_numbered(f) == [(1, {"a": 1}), (3, {"a": 2})]
+    f.write_text('{"a": 1}\n{"a": \n{"a": 3}\n\n')
+    with pytest.raises(UserError, match=rf"^{f}:2: not an episode row$"):
+        read_jsonl(f, bad="not an episode row")
+    skipped = []
+    assert read_jsonl(f, on_skip=skipped.append) == [{"a": 1}, {"a": 3}]
+    assert skipped == [f"{f}: unparsable line 2 skipped"]
+    f.write_text('{"a": 1}\n{"a": ')
+    assert read_jsonl(f, on_skip=skipped.append) == [{"a": 1}] and skipped[-1] == f"{f}: torn last line skipped"
+    f.write_text('{"a": 1}\nnot json\n')  # a complete last line (its newline written) is no torn write
+    with pytest.raises(UserError, match=rf"^{f}:2: not a JSON line$"):
+        read_jsonl(f)
+
+
+def test_signal_choice_puts_d_k_beside_the_other_signal_furthest_from_chance():
+    from agentrl.analysis.summary import signal_choice
+
+    nan = float("nan")
+    corr = [{"K": 5, "metric": "prefix_edit_distance_mean", "N": 10, "auroc": 0.7, "spearman_rho": 0.3},
+            {"K": 5, "metric": "a", "N": 10, "auroc": 0.45, "spearman_rho": 0.0},
+            {"K": 5, "metric": "b", "N": 10, "auroc": 0.2, "spearman_rho": 0.0},
+            {"K": 2, "metric": "prefix_edit_distance_mean", "N": 10, "auroc": 0.5, "spearman_rho": 0.0},
+            {"K": 2, "metric": "a", "N": 10, "auroc": nan, "spearman_rho": nan}]
+    by_type = [{"K": 5, "informative": 3}, {"K": 5, "informative": 1}, {"K": 2, "informative": 2}]
+    assert signal_choice(corr, by_type) == [
+        {"K": 2, "groups": 10, "informative": 2, "auroc": 0.5, "spearman_rho": 0.0, "best_other": None},
+        {"K": 5, "groups": 10, "informative": 4, "auroc": 0.7, "spearman_rho": 0.3, "best_other": ("b", 0.2)}]
+
+
+def test_resume_may_change_only_what_changes_no_gradient(tmp_path):
+    from agentrl.errors import UserError
+    from agentrl.train.prerun import MAY_CHANGE_ON_RESUME, run_config
+
+    with pytest.raises(UserError, match=r"may change \(got learner.lr, --out\)"):
+        run_config(tmp_path / "x", tmp_path, False, None, {"learner.lr": 0.1, "train.iterations": 3})
+    assert "train.iterations" in MAY_CHANGE_ON_RESUME and "learner.lr" not in MAY_CHANGE_ON_RESUME

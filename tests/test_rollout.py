@@ -160,6 +160,6 @@ def test_replies_cut_at_max_new_tokens_are_counted(games, tokenizer):
     assert t.step_tokens[1] == 12 and t.cut_steps == [1] and t.replies_cut == 1 and t.step_tokens[0] < 12 and t.step_tokens[2] < 12
     metrics = behaviour_metrics([t])
     assert metrics["replies_cut_rate"] == round(1 / 3, 4)
-    from agentrl.cli import behaviour  # the console line: shown when not 0
+    from agentrl.cli.display import behaviour  # the console line: shown when not 0
 
     assert "(33% cut at max_new_tokens)" in behaviour(metrics) and "cut" not in behaviour({**metrics, "replies_cut_rate": 0.0})

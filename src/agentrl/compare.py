@@ -13,12 +13,11 @@ games those are; also per task type.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
 from agentrl.errors import UserError
-from agentrl.io import atomic_write_json
+from agentrl.io import atomic_write_json, read_jsonl_numbered
 from agentrl.stats import paired
 
 
@@ -41,11 +40,8 @@ def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
     types: dict[str, str] = {}
     first_seen: dict[str, Path] = {}
     for f in episode_files(path):
-        for n, line in enumerate(f.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        for n, row in read_jsonl_numbered(f, bad="not an episode row of `agentrl eval`"):
             try:
-                row = json.loads(line)
                 game = f"{row.get('split', '')}/{row['task_id']}"
                 if row.get("stop_reason") == "env_error":  # not played: no outcome to pair
                     continue

@@ -30,7 +30,7 @@ def check_python_and_torch() -> list[Check]:
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n))
         out.append(Check("CUDA devices", "ok", f"{n}: {names}"))
         if n == 1:
-            out.append(Check("two-device layout", "warn", "one GPU: sampler and learner share it (--colocate)",
+            out.append(Check("two-device layout", "warn", "one GPU: sampler and learner share it (--layout colocate)",
                              "a second GPU allows --sampler-device cuda:0 --learner-device cuda:1"))
         else:
             out.append(Check("two-device layout", "ok", "--sampler-device cuda:0 --learner-device cuda:1"))

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from agentrl.config import load_config
+from agentrl.io import read_jsonl
 
 
 def _sizes(quick: bool) -> dict:
@@ -276,7 +277,7 @@ def _train_real(out: Path, device: str, size) -> dict:
 
 
 def _run_summary(run: Path, wall: float) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run / "metrics.jsonl")
     its = [r for r in rows if r.get("kind") == "iteration"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     last = its[-1] if its else {}

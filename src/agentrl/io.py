@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader never sees a half-written file or directory."""
+"""Atomic file writes (a reader never sees a half-written file or directory), and the one JSONL reader."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable
+
+from agentrl.errors import UserError
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -74,3 +77,38 @@ def write_tree(files: dict[str, bytes], root: str | os.PathLike) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return root
+
+
+def read_jsonl_numbered(path: str | os.PathLike, bad: str = "not a JSON line",
+                        on_skip: Callable[[str], None] | None = None) -> list[tuple[int, Any]]:
+    """The JSON values of a JSONL file with their line numbers (1-based); blank lines are skipped.
+
+    The torn-line rule, the same for every reader: a last line that does not parse and has no
+    closing newline is a write cut short (a crash or a full disk mid-append: the newline is the
+    last byte written) and is dropped; any other line that does not parse is damage, a UserError
+    naming file and line (`{path}:{n}: {bad}`). `on_skip`, when given, hears of each line dropped
+    and makes damage a skipped line too ("{path}: torn last line skipped" for the last line,
+    "{path}: unparsable line {n} skipped" elsewhere): a reader that reports what it can."""
+    path = Path(path)
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    torn = last if last == len(lines) and not text.endswith("\n") else None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError:
+            if n != torn and on_skip is None:
+                raise UserError(f"{path}:{n}: {bad}") from None
+            if on_skip is not None:
+                on_skip(f"{path}: {'torn last line' if n == last else f'unparsable line {n}'} skipped")
+    return rows
+
+
+def read_jsonl(path: str | os.PathLike, bad: str = "not a JSON line",
+               on_skip: Callable[[str], None] | None = None) -> list:
+    """The JSON values of a JSONL file, under read_jsonl_numbered's torn-line rule."""
+    return [value for _, value in read_jsonl_numbered(path, bad, on_skip)]

@@ -11,7 +11,6 @@ fraction and gradient L2 norm (Fig. 7)) with one line per run.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from agentrl.errors import UserError
-from agentrl.io import atomic_path, atomic_write_json, atomic_write_text
+from agentrl.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.stats import eval_text, learning_verdict
 
 log = logging.getLogger(__name__)
@@ -83,21 +82,11 @@ def is_number(v) -> bool:
 
 def read_metrics(path: Path, warnings: list[str]) -> list[dict]:
     """JSON objects of metrics.jsonl; an unparsable line (a torn last line) is skipped with a warning."""
-    lines = path.read_text(errors="replace").splitlines()
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            where = "torn last line" if n == len(lines) else f"unparsable line {n}"
-            warnings.append(f"{path}: {where} skipped")
-            log.warning(warnings[-1])
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    def skipped(message: str) -> None:
+        warnings.append(message)
+        log.warning(message)
+
+    return [row for row in read_jsonl(path, on_skip=skipped) if isinstance(row, dict)]
 
 
 def read_config(path: Path, warnings: list[str]) -> dict:

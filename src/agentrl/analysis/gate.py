@@ -16,7 +16,7 @@ import numpy as np
 from scipy import stats as sps
 
 from agentrl.errors import UserError
-from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
 from agentrl.train.advantage import group_advantages
 
@@ -83,7 +83,6 @@ def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
     """Per row of the table, the group's GiGPO advantage mass (the sum over its trajectories'
     steps of A(i, t)^2, `--advantage gigpo`'s defaults), from the trajectories.jsonl that
     `agentrl rollout` writes beside groups.csv; None when there is none."""
-    import json
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -92,9 +91,8 @@ def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
     if not path.is_file():
         return None
     by_task: dict[str, list] = defaultdict(list)
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, r in read_jsonl_numbered(path, bad="not a trajectory record"):
         try:
-            r = json.loads(line)
             steps = [SimpleNamespace(observation=s["observation"], valid=s["valid"]) for s in r["step_records"]]
             by_task[r["task_id"]].append(SimpleNamespace(reward=float(r["reward"]), initial_observation=r["initial_observation"],
                                                          steps=steps, step_tokens=r["step_tokens"]))

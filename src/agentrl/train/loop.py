@@ -42,6 +42,7 @@ from agentrl.collect import roll
 from agentrl.config import Config, load_config
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import RunError, UserError
+from agentrl.io import atomic_write_text, read_jsonl
 from agentrl.rollout import ModelPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
 from agentrl.sampling.base import SamplingParams
@@ -152,17 +153,8 @@ class Metrics:
 
     def truncate_after(self, iteration: int) -> None:
         """Keep the complete lines of iterations <= `iteration` (a torn or later line is dropped)."""
-        from agentrl.io import atomic_write_text
-
-        kept = []
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration:
-                    kept.append(line + "\n")
+        rows = read_jsonl(self.path) if self.path.is_file() else []  # each line as Metrics.write wrote it
+        kept = [json.dumps(row) + "\n" for row in rows if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration]
         atomic_write_text(self.path, "".join(kept))
         if self.log_to and self.loggers is None:
             from agentrl.train.loggers import Loggers
@@ -222,8 +214,6 @@ def start_run(run: Path, cfg: Config, force: bool) -> None:
     if force and run.exists():
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
-    from agentrl.io import atomic_write_text
-
     atomic_write_text(run / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import gc
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from agentrl.errors import UserError
+from agentrl.io import read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS, Trace, signals_at
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
 from agentrl.select.cut import gate_rule
@@ -182,23 +182,16 @@ def load_buffer(path: Path) -> Buffer:
         raise UserError(f"buffer not found: {path} (expected trajectories.jsonl from `agentrl rollout`)")
     by_task: dict[str, list[BufferTrajectory]] = {}
     cut: dict[str, bool] = {}
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{where}: not a JSON line (expected trajectories.jsonl from `agentrl rollout`)") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{where}: not a JSON object")
-            t = _trajectory(rec, where)
-            group = by_task.setdefault(t.task_id, [])
-            if any(o.index == t.index for o in group):
-                raise UserError(f"{where}: task {t.task_id} has trajectory {t.index} twice (two buffers concatenated?)")
-            group.append(t)
-            cut[t.task_id] = cut.get(t.task_id, False) or bool(rec.get("group_cut", False))
+    for line_no, rec in read_jsonl_numbered(path, bad="not a JSON line (expected trajectories.jsonl from `agentrl rollout`)"):
+        where = f"{path}:{line_no}"
+        if not isinstance(rec, dict):
+            raise UserError(f"{where}: not a JSON object")
+        t = _trajectory(rec, where)
+        group = by_task.setdefault(t.task_id, [])
+        if any(o.index == t.index for o in group):
+            raise UserError(f"{where}: task {t.task_id} has trajectory {t.index} twice (two buffers concatenated?)")
+        group.append(t)
+        cut[t.task_id] = cut.get(t.task_id, False) or bool(rec.get("group_cut", False))
     if not by_task:
         raise UserError(f"{path}: no trajectories")
     for task_id, trajs in by_task.items():

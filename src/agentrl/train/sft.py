@@ -34,7 +34,7 @@ import torch
 from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
 from agentrl.env import env_factory, find_games, open_envs, prompt_options
 from agentrl.errors import UserError
-from agentrl.io import atomic_path, atomic_write_jsonl
+from agentrl.io import atomic_path, atomic_write_jsonl, read_jsonl
 from agentrl.models import cache_root, load_model
 from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply_text
 from agentrl.rollout import ModelPolicy, run_lockstep
@@ -153,7 +153,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     With `cache_dir` the examples are kept there, keyed by games, prompt and tokenizer."""
     cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
     if cache is not None and cache.is_file():
-        rows = [json.loads(line) for line in cache.read_text().splitlines()]
+        rows = read_jsonl(cache)
         return ExpertData([Example(**r) for r in rows if "token_ids" in r],
                           [(r["game_id"], r["skipped"]) for r in rows if "skipped" in r], cached=True)
     no_walkthrough = [g for g in games if not g.walkthrough]

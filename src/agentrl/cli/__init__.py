@@ -1,0 +1,42 @@
+"""agentrl command line. Thin: parse flags, load the config, call one function, print.
+
+app.py holds the typer apps, options.py the options the commands share (each knows its config
+field), display.py what they print; run.py and tools.py the commands themselves."""
+
+import sys
+
+import click
+import typer
+
+from agentrl.cli import run, tools  # noqa: F401  (registers the commands on app)
+from agentrl.cli.app import app
+from agentrl.cli.display import err
+from agentrl.cli.options import REMOVED_FLAGS
+from agentrl.errors import UserError
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # usage errors: click's, or those of the copy of click newer typers carry
+        if isinstance(e, (typer.Exit, click.exceptions.Exit)):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.ClickException) or type(e).__module__.startswith("typer."):
+            if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # one line, as for every bad input
+                removed = REMOVED_FLAGS.get(getattr(getattr(e, "ctx", None), "info_name", None), {})
+                flag = getattr(e, "option_name", None)
+                message = f"{flag} was removed: use {removed[flag]}" if flag in removed else f"{e.format_message()} (see --help)"
+                err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+                sys.exit(e.exit_code)
+        raise

@@ -1,0 +1,362 @@
+"""What the commands print: progress bars (a plain line a minute in a log), tables and lines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agentrl.analysis.summary import signal_choice
+from agentrl.config import TASK_TYPES
+from agentrl.report import transposed
+from agentrl.specs import _SHORT
+from agentrl.stats import eval_text, learning_verdict, wilson
+from agentrl.train.totals import run_totals
+
+console = Console()
+err = Console(stderr=True)
+
+
+class LineProgress(Progress):
+    """A progress display for a log (stderr not a terminal, e.g. `make train | tee log`): rich
+    draws no bar there, so each unfinished task prints one plain line every `every_s` seconds,
+    also through a long step that reports nothing (the learner's update, a model load)."""
+
+    every_s = 60.0
+
+    def start(self) -> None:
+        super().start()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._heartbeat, daemon=True, name="agentrl-progress").start()
+
+    def stop(self) -> None:
+        if hasattr(self, "_stopped"):
+            self._stopped.set()
+        super().stop()
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(self.every_s / 10):
+            with self._lock:
+                for task in list(self._tasks.values()):
+                    # not `task.finished`: rich keeps that set once a phase completed, and a task here is
+                    # reused for the next phase (rollout 30/30, then the update with no total)
+                    if task.total is None or task.completed < task.total:
+                        self._line(task)
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        with self._lock:
+            self._line(self._tasks[task_id])
+
+    def _line(self, task) -> None:
+        now = time.monotonic()
+        last = getattr(task, "_agentrl_printed", None)
+        if last is None:
+            task._agentrl_printed = now  # the first line comes a minute in: short work prints nothing
+        elif now - last >= self.every_s:
+            task._agentrl_printed = now
+            done = f"{task.completed:.0f}/{task.total:.0f}" if task.total is not None else ""  # no count where none is kept
+            parts = (task.description, done, task.fields.get("info", ""),
+                     f"{time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed")
+            self.console.print("  ".join(x for x in parts if x), markup=False, highlight=False)
+
+
+def start_phase(bar: Progress, task, description: str, total: float | None = None) -> None:
+    """Turn the bar's task into the next phase. rich's `update` keeps the old total when given
+    None, so a phase without one (the learner's update) would read as the last one's "0/30"."""
+    bar.update(task, description=description, completed=0, info="")
+    for t in bar.tasks:
+        if t.id == task:
+            t.total = total
+
+
+def progress_bar() -> Progress:
+    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed (plain lines
+    every minute when stderr is not a terminal)."""
+    cls = Progress if err.is_terminal else LineProgress
+    return cls(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err)
+
+
+def table(title: str, columns, left=()) -> Table:
+    """A table whose columns are right-aligned except those in `left` (or all when left is True)."""
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="left" if left is True or col in left else "right")
+    return t
+
+
+def step_info(trajs, cut: bool = True) -> str:
+    """live / cut / won counts of the trajectories being stepped (the bars' info field)."""
+    live, won = sum(not t.done for t in trajs), sum(t.won for t in trajs)
+    cuts = f"  cut {sum(t.stop_reason == 'gate_cut' for t in trajs)}" if cut else ""
+    return f"live {live}{cuts}  won {won}/{len(trajs)}"
+
+
+# ---------------------------------------------------------------- eval, rollout
+def print_summary(s: dict) -> None:
+    title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
+    if s.get("samples"):
+        title += f" · {s['samples']} episodes per game at temperature {s['temperature']} (interval: bootstrap over games)"
+    t = table(title, ("task type", "episodes", "won", "success", "95% CI", "valid actions", "mean steps", "invalid/ep"),
+              left=("task type",))
+
+    def row(name: str, b: dict, style: str | None = None) -> None:
+        lo, hi = b.get("ci95") or wilson(b["won"], b["episodes"]) or (0.0, 0.0)
+        valid = b.get("valid_action_rate")
+        t.add_row(name, str(b["episodes"]), str(b["won"]), f"{100 * b['success_rate']:.1f}%",
+                  f"{100 * lo:.1f}–{100 * hi:.1f}%", "-" if valid is None else f"{100 * valid:.0f}%",
+                  f"{b['mean_steps']:.1f}", f"{b['invalid_actions_per_episode']:.1f}", style=style)
+
+    for name, b in s["by_task_type"].items():
+        row(name, b)
+    row("overall", s["overall"], style="bold")
+    console.print(t)
+    tm = s["timing"]
+    console.print(
+        f"wall {tm['wall_s']:.1f}s (generate {tm['generate_s']:.1f}s, env {tm['env_s']:.1f}s) · "
+        f"{tm['s_per_step']:.2f}s per lockstep step · {tm['s_per_task']:.2f}s per task · {tm['env_steps']} env steps"
+    )
+    for e in s["errors"]:
+        err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")
+    if s["overall"].get("env_errors"):
+        err.print(f"[yellow]{s['overall']['env_errors']} episode(s) the env could not run are left out of the "
+                  f"success rate and its interval ({s['overall']['episodes']} played)")
+
+
+def print_rollout(rollout, gate) -> None:
+    t = table(f"rollout · gate {gate or 'off'}", ("task", "type", "rewards", "cut", "d_K", "steps", "step-tokens", "time (s)"),
+              left=("task", "type", "rewards"))
+    for g in rollout.groups:
+        d = g.signals.get(gate.K if gate else 10, {}).get("prefix_edit_distance_mean")
+        t.add_row(g.game.game_id.split("/")[0][:40], g.game.task_type[:22], "".join(f"{r:.0f}" for r in g.rewards),
+                  f"at {g.cut_step}" if g.cut else "", "" if d is None else f"{d:.3f}", str(g.env_steps),
+                  str(g.step_tokens), f"{g.cost_s:.1f}")
+    console.print(t)
+    s = rollout.stats
+    console.print(f"wall {s.wall_s:.1f}s (generate {s.generate_s:.1f}s, env {s.env_s:.1f}s) · {s.env_steps} env steps · "
+                  f"{s.step_tokens} step-tokens · {sum(g.cut for g in rollout.groups)}/{len(rollout.groups)} groups cut")
+
+
+# ---------------------------------------------------------------- train
+SHORT_TYPE = dict(zip(TASK_TYPES, ("pick", "pick2", "clean", "heat", "cool", "look")))
+
+
+def run_line(run, cfg) -> str:
+    """What a training run is about to do, in one line."""
+    return (f"run {run} · model {cfg.model.name}"
+            f"{f' + {cfg.train.init_adapter}' if cfg.train.init_adapter else ''} · env {cfg.env.kind} · gate {cfg.rollout.gate} · "
+            f"B={cfg.rollout.tasks} G={cfg.rollout.group_size} T_max={cfg.rollout.max_steps or cfg.env.max_steps} · "
+            f"advantage {describe_advantage(cfg)} · {cfg.train.iterations} iterations · seed {cfg.seed}")
+
+
+def describe_advantage(cfg) -> str:
+    a = cfg.train.advantage
+    if a == "gigpo":
+        a += f" (gamma {cfg.advantage.gamma}, omega {cfg.advantage.omega}{'' if cfg.advantage.std_norm else ', no std'})"
+    if cfg.reward.invalid_action:
+        a += f" · invalid action {cfg.reward.invalid_action}" + (" (in the advantage)" if cfg.reward.invalid_action_in == "advantage" else "")
+    return a + (" · cut replies masked" if cfg.advantage.mask_cut_replies else "")
+
+
+def print_curve(rows: list[dict], where) -> None:
+    """The learning curve of a run (its metrics rows): one row per iteration, held-out success where evaluated."""
+    eval_rows = {r["iteration"]: r for r in rows if r["kind"] == "eval"}
+    evals = {i: eval_text(r) for i, r in eval_rows.items()}
+    t = table(f"learning curve · {where}", ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out [95% CI]"))
+    if 0 in evals:
+        t.add_row("0", "", "", "", "", evals[0])
+    for r in rows:
+        if r["kind"] == "iteration":
+            reward = "-" if r["train_reward"] is None else f"{r['train_reward']:.3f}"
+            t.add_row(str(r["iteration"]), reward, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
+                      f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", evals.get(r["iteration"], ""))
+    console.print(t)
+    print_stage_totals([r for r in rows if r["kind"] == "iteration"])
+    line = learning_verdict(list(eval_rows.values()))
+    if line:
+        console.print(f"[bold]{line}[/]")
+
+
+def print_stage_totals(rows: list[dict]) -> None:
+    """Run totals: what was generated vs trained, and what each selection stage decided and kept out."""
+    totals = run_totals(rows)
+    if totals is None:
+        return
+    n = totals["tokens"]
+    console.print(f"run totals: trajectories {n['trajectories_generated']} generated, {n['trajectories_trained']} "
+                  f"trained; step-tokens {n['step_tokens_generated']} generated, {n['step_tokens_trained']} trained, "
+                  f"{n['step_tokens_excluded_by_stages']} kept out by stages, {n['step_tokens_zero_advantage']} "
+                  f"with zero advantage")
+    a = totals["advantage"]
+    if a is not None:
+        console.print(f"advantage L2: {a['kept_l2']:.3f} over {a['kept_groups']} groups in the loss, {a['audited_l2']:.3f} over "
+                      f"{a['audited_groups']} audited groups the gate would have cut; est. share dropped by the gate per "
+                      f"iteration {100 * a['dropped_share_mean']:.1f}% (mean)")
+    t = table("selection stages (run totals)", ("stage", "decisions", "tokens decided on", "kept out of loss", "avoided (est.)"),
+              left=("stage", "decisions"))
+    for name, s in totals["stages"].items():
+        t.add_row(name, ", ".join(f"{k} {v}" for k, v in s["decisions"].items()),
+                  *(str(s[k]) for k in ("step_tokens_generated", "step_tokens_excluded", "step_tokens_avoided")))
+    console.print(t)
+
+
+def metrics_line(row: dict, iterations: int) -> str:
+    """One line per metrics row: what a user watches while the run goes."""
+    if row["kind"] == "eval":
+        types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
+        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{eval_text(row)}[/] "
+                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
+
+    return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
+            f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
+            f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
+            f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
+            + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}"
+            + stage_notes(row))
+
+
+def stage_notes(row: dict) -> str:
+    """What a stage decided that a user needs to read the line: the auto gate's d_L, Pilot-Commit's rounds."""
+    stages, out = row.get("stages", {}), ""
+    auto = stages.get("cut", {}).get("extra", {}).get("auto")
+    if auto:
+        live = ("" if auto["precision_audit"] is None else
+                f", audit precision {100 * auto['precision_audit']:.0f}% [{100 * auto['precision_audit_ci95'][0]:.0f}, "
+                f"{100 * auto['precision_audit_ci95'][1]:.0f}] of {auto['audited']}")
+        out += f"  gate d_L {auto['d_L']:.3g} ({auto['labelled']} labelled{live})"
+    pc = stages.get("pilot-commit", {}).get("decisions")
+    if pc:
+        out += f"  pilot-commit rounds {pc.get('rounds', 0)}, passed {pc.get('tasks_passed', 0)}/{pc.get('tasks_piloted', 0)}"
+    return out
+
+
+def num(v, fmt):
+    return "-" if v is None else format(v, fmt)
+
+
+def behaviour(row: dict) -> str:
+    """valid-action rate, reply length and episode length of a metrics row."""
+    rate = row.get("valid_action_rate")
+    cut = row.get("replies_cut_rate")
+    return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok"
+            f"{'' if not cut else f' ({100 * cut:.0f}% cut at max_new_tokens)'}  "
+            f"episode {num(row.get('mean_episode_steps'), '.1f')} steps")
+
+
+def sft_epoch_line(row: dict) -> str:
+    held = f"{row['heldout_nll']:.3f}" if row.get("heldout_nll") is not None else "-"
+    train = f"{row['train_nll']:.3f}" if row.get("train_nll") is not None else "-"
+    return f"epoch {row['epoch']}  train nll {train}  held-out nll {held}  {row['elapsed_s']:.0f}s"
+
+
+def sft_summary_lines(summary: dict, out) -> list[str]:
+    s = summary["sft"]
+    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {s['examples']} walkthroughs ({s['reply_tokens']} reply tokens), "
+            f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
+            f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}",
+            f"next: agentrl eval --adapter {out}   or   agentrl train --init-adapter {out}"]
+
+
+# ---------------------------------------------------------------- analyze, report, compare
+def print_analysis(a, groups_csv, out, precision_floor: float) -> None:
+    t = table(f"signals vs learning signal · {groups_csv}", ("K", "groups", "informative", "AUROC d_K", "ρ d_K",
+              "best other signal (AUROC)"), left=("best other signal (AUROC)",))
+    for c in signal_choice(a.correlation, a.by_type):
+        t.add_row(str(c["K"]), str(c["groups"]), str(c["informative"]), f"{c['auroc']:.3f}", f"{c['spearman_rho']:.3f}",
+                  f"{c['best_other'][0]} ({c['best_other'][1]:.3f})" if c["best_other"] else "")
+    console.print(t)
+    print_signal_table(a.signals, precision_floor)
+    if a.operating:
+        o = a.operating
+        console.print(f"operating point (precision >= {precision_floor:g}): K={o['K']}, d_L={o['d_L']:g}: cut {o['cut']}/{o['N']}, "
+                      f"precision {o['precision']:.2f}, recall {o['recall']:.2f}, safe saving {o['safe_pct']:.1f}% "
+                      f"(raw {o['raw_pct']:.1f}%), advantage norm kept {o['adv_l2_kept']:.3f}"
+                      + (f" (GiGPO's: {o['gigpo_l2_kept']:.3f})" if o["gigpo_l2_kept"] == o["gigpo_l2_kept"] else ""))
+    else:
+        console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
+    console.print(f"wrote correlation.csv, signals.csv, gate_sweep.csv, calibration.csv, by_task_type.csv, bootstrap.csv, "
+                  f"operating_point.json and {len(a.figures)} figures to {out}")
+
+
+def print_signal_table(rows: list[dict], precision_floor: float) -> None:
+    """Per K and signal: AUROC [95% bootstrap] (informative vs zero-variance; > 0.5 predicts), the same
+    against all-fail and all-success groups only, and the best cut at the precision floor."""
+    short = {v: k for k, v in _SHORT.items()} | {"or_rule": "d_k OR tau"}
+
+    def f(v, fmt=".2f"):
+        return "-" if v != v else format(v, fmt)
+
+    t = table(f"which signal predicts a zero-variance group (AUROC > 0.5 predicts; best cut at precision >= {precision_floor:g})",
+              ("K", "signal", "AUROC [95% CI]", "vs all-fail", "vs all-success", "best cut", "precision", "safe saving"),
+              left=("signal", "best cut"))
+    for r in rows:
+        t.add_row(str(r["K"]), short.get(r["signal"], r["signal"]),
+                  f"{f(r['auroc'])} [{f(r['auroc_ci95_low'])}, {f(r['auroc_ci95_high'])}]" if r["auroc"] == r["auroc"] else "-",
+                  f(r["auroc_vs_all_fail"]), f(r["auroc_vs_all_success"]),
+                  f"{r['best_cut']} at {r['best_threshold']}" if r["best_cut"] else "none", f(r["best_precision"]),
+                  f"{r['best_safe_pct']:.1f}%")
+    console.print(t)
+
+
+def print_report_tables(tables) -> None:
+    """(title, header, rows) tables of `agentrl report`; a wide one turned to one row per metric."""
+    for title, header, rows in tables:
+        if len(header) > 7:  # one row per metric, one column per run: fits a terminal
+            header, rows = transposed(header, rows)
+        t = table(title, header, left=header[:1])
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+
+
+def print_comparison(r: dict, a, b: list) -> None:
+    pooled = f" (mean of {len(b)} evals per game)" if len(b) > 1 else ""
+    mcnemar = r["overall"]["test"] == "exact McNemar"  # 0/1 outcomes; shares get the sign test
+    t = table(f"A = {a}  ·  B = {r['b']}{pooled}", ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", *(
+              ("only A", "only B", "McNemar p") if mcnemar else ("A better", "B better", "sign test p"))), left=("games",))
+
+    def ci(c) -> str:
+        return "-" if c is None else f"{100 * c[0]:.1f}–{100 * c[1]:.1f}%"
+
+    for name, x in [*r["by_task_type"].items(), ("overall", r["overall"])]:
+        t.add_row(f"{name} ({x['games']})", f"{100 * x['success_a']:.1f}%", ci(x["ci95_a"]), f"{100 * x['success_b']:.1f}%",
+                  ci(x["ci95_b"]), f"{x['difference_points']:+.1f}", str(len(x["won_only_by_a"])),
+                  str(len(x["won_only_by_b"])), f"{x['mcnemar_p']:.3g}", style="bold" if name == "overall" else None)
+    console.print(t)
+    o = r["overall"]
+    if o["only_in_a"] or o["only_in_b"]:
+        err.print(f"[yellow]compared the {o['games']} games both ran; {o['only_in_a']} only in A and {o['only_in_b']} only in B left out")
+
+
+# ---------------------------------------------------------------- doctor, data
+def print_checks(checks) -> None:
+    t = table("agentrl doctor", ("", "what", "found", "to fix"), left=True)
+    mark = {"ok": "[green]✓", "warn": "[yellow]![/]", "missing": "[red]✗"}
+    for c in checks:
+        t.add_row(mark[c.status], escape(c.what), escape(c.detail), escape(c.fix))
+    console.print(t)
+    missing = [c.what for c in checks if c.status == "missing"]
+    console.print("everything the CPU path needs is here" if not any(
+        c.status == "missing" and not c.what.startswith("vLLM") for c in checks) else f"missing: {', '.join(missing)}")
+
+
+def print_games(root, splits, scans: dict) -> None:
+    """Games per split (columns) and task type (rows) of `agentrl data check`; corrupt files, missing splits."""
+    t = table(f"ALFWorld games in {root}", ("task type", *splits), left=("task type",))
+    for kind in TASK_TYPES + ("all",):
+        cells = ["missing" if s not in scans else str(len(scans[s].games) if kind == "all" else
+                 sum(g.task_type == kind for g in scans[s].games)) for s in splits]
+        t.add_row(kind, *cells, style="bold" if kind == "all" else None)
+    console.print(t)
+    for s, scan in scans.items():
+        for path, why in scan.corrupt:
+            err.print(f"[yellow]corrupt ({s}): {path}: {why}")
+        if scan.unsolvable:
+            console.print(f"{s}: {len(scan.unsolvable)} unsolvable games skipped")
+    if len(scans) < len(splits):
+        err.print(f"[yellow]missing splits: {', '.join(s for s in splits if s not in scans)}")

@@ -1,0 +1,284 @@
+"""The commands that run the model: eval, rollout, train (Tiers 3 and 2) and sft."""
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agentrl.cli.app import app
+from agentrl.cli.display import (console, err, metrics_line, print_curve, print_rollout, print_summary, progress_bar, run_line,
+                                 sft_epoch_line, sft_summary_lines, start_phase, step_info)
+from agentrl.cli.options import (AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
+                                 MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
+                                 SamplerReplicasOpt, opt, overrides, To)
+from agentrl.config import SPLITS, load_config
+from agentrl.env import open_envs
+from agentrl.errors import UserError
+from agentrl.evaluate import prepare_eval, run_eval
+from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
+from agentrl.models import resolve_model
+
+
+# ---------------------------------------------------------------- eval
+@app.command("eval")
+def eval_cmd(
+    split: opt(str, "eval.split", f"One of {', '.join(SPLITS)}.") = "valid_seen",
+    limit: opt(OptInt, "eval.limit", "Evaluate the first N games (task types interleaved).") = None,
+    task_type: opt(Optional[list[str]], "eval.task_types", "Only this task type (repeatable).", "--task-type") = None,
+    model: ModelOpt = None,
+    adapter: AdapterOpt = None,
+    max_steps: opt(OptInt, "eval.max_steps", "T_max per episode (default 30).") = None,
+    policy: opt(str, "eval.policy", "model | walkthrough (replays each game's expert walkthrough).") = "model",
+    samples: opt(OptInt, "eval.samples", "N episodes per game sampled at the training temperature instead of one greedy episode.") = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    sampler: SamplerOpt = None,
+    seed: opt(OptInt, "seed", "Run seed.") = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    out: opt(Optional[Path], None, "Output directory (default runs/eval-<split>-<time>).") = None,
+    env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model code from the model directory."),
+                                 To("model.trust_remote_code", lambda v: v or None)] = False,
+) -> None:
+    """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
+    cfg = load_config(config, overrides(eval_cmd, locals()))
+    out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
+    max_t = cfg.eval.max_steps or cfg.env.max_steps
+    with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
+        games, policy = prepare_eval(cfg)
+    with progress_bar() as bar:
+        loading = bar.add_task("loading games", total=None, info="")
+        stepping = bar.add_task("steps", total=max_t, info="", visible=False)
+
+        def on_reset(k: int, n: int) -> None:
+            bar.update(loading, completed=k, total=n)
+
+        def on_step(step: int, trajs) -> None:
+            bar.update(stepping, completed=step, visible=True, info=step_info(trajs, cut=False))
+
+        result = run_eval(cfg, out, games, policy, on_step=on_step, on_reset=on_reset)
+        bar.update(stepping, completed=max_t)
+    print_summary(result.summary)
+    console.print(f"wrote {out / 'episodes.jsonl'} and {out / 'summary.json'}")
+
+
+# ---------------------------------------------------------------- rollout
+@app.command("rollout")
+def rollout_cmd(
+    split: opt(OptStr, "rollout.split", f"One of {', '.join(SPLITS)} (default train).") = None,
+    tasks: opt(OptInt, "rollout.tasks", "B: number of tasks (groups).") = None,
+    skip_tasks: opt(OptInt, "rollout.skip_tasks", "Start after the split's first N games (tasks disjoint from an earlier rollout's).") = None,
+    group_size: GroupSizeOpt = None,
+    max_steps: opt(OptInt, "rollout.max_steps", "T_max (default 30).") = None,
+    gate: opt(OptStr, "rollout.gate", "K,d_L (default 10,0.12), K,auto (d_L fitted between --rounds; needs --gate-audit) or off.") = None,
+    gate_or_tau: GateOrTauOpt = None,
+    tier1_ab: opt(bool, None, "Baseline vs gated on the same tasks and seeds (Tier 1).", "--tier1-ab") = False,
+    rounds: opt(OptInt, "rollout.rounds", "Roll the tasks in this many consecutive lockstep rounds (fewer rows held at once; an auto gate re-fits between rounds).") = None,
+    gate_audit: opt(OptFloat, "select.gate_audit", "Share of the groups the gate would cut that run on anyway: their outcome measures the gate (an auto gate needs it).") = None,
+    env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
+    temperature: opt(OptFloat, "sampling.temperature", "Sampling temperature (default 0.7).") = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    model: ModelOpt = None,
+    adapter: AdapterOpt = None,
+    sampler: SamplerOpt = None,
+    seed: opt(OptInt, "seed", "Run seed (same seed -> same first K steps in both arms).") = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    out: opt(Optional[Path], None, "Output directory (default runs/rollout-<time>).") = None,
+) -> None:
+    """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
+    # scipy and torch, not for --help or the light commands (two imports until collect checks the KV budget itself)
+    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
+    from agentrl.sampling.kv import check_kv_fits
+
+    cfg = load_config(config, overrides(rollout_cmd, locals()))
+    the_gate = cfg.rollout.parsed_gate()
+    if tier1_ab and the_gate is None:
+        raise UserError("--tier1-ab compares no gate with a gate: give --gate K,d_L")
+    out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
+    with err.status("loading model"):
+        games = load_games(cfg)
+        check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
+        policy = make_policy(cfg)
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    with progress_bar() as bar:
+        def progress(name: str):
+            task = bar.add_task(name, total=t_max, info="loading games")
+
+            def on_reset(k: int, n: int) -> None:
+                bar.update(task, info=f"loading games {k}/{n}")
+
+            def on_step(step: int, trajs) -> None:
+                bar.update(task, completed=step, info=step_info(trajs))
+
+            return on_step, on_reset
+
+        envs = open_envs(cfg)
+        try:
+            if tier1_ab:
+                result = run_tier1(cfg, games, policy, the_gate, progress, envs)
+                for name, r in (("baseline", result.baseline), ("gated", result.gated)):
+                    write_rollout(r, out / name, cfg.rollout.signal_steps)
+                atomic_write_json(out / "tier1.json", result.report)
+                atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
+            else:
+                stage = make_cut_stage(cfg, the_gate)
+                rollout = roll_rounds(cfg, games, policy, stage, progress, envs)
+                write_rollout(rollout, out, cfg.rollout.signal_steps)
+        finally:
+            if envs is not None:
+                envs.shutdown()
+    if tier1_ab:
+        console.print(tier1_markdown(result.report))
+        console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")
+    else:
+        print_rollout(rollout, the_gate)
+        console.print(f"wrote {out / 'trajectories.jsonl'} and {out / 'groups.csv'}")
+
+
+# ---------------------------------------------------------------- train
+@app.command("train")
+def train_cmd(
+    out: opt(Optional[Path], None, "Run directory (default runs/train-<time>).") = None,
+    resume: opt(Optional[Path], None, "Continue this run directory from its last checkpoint.") = None,
+    force: opt(bool, None, "Overwrite a run directory that already holds a run.") = False,
+    iterations: opt(OptInt, "train.iterations", "Training iterations (paper: 60).") = None,
+    tasks: opt(OptInt, "rollout.tasks", "B: tasks per iteration.") = None,
+    group_size: GroupSizeOpt = None,
+    max_steps: opt(OptInt, "rollout.max_steps", "T_max of training rollouts.") = None,
+    gate: opt(OptStr, "rollout.gate", "K,d_L (e.g. 10,0.12), K,auto (d_L fitted online; needs --gate-audit) or off.") = None,
+    gate_or_tau: GateOrTauOpt = None,
+    advantage: opt(OptStr, "train.advantage", "grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO).") = None,
+    gamma: opt(OptFloat, "advantage.gamma", "GiGPO: discount of the step-level returns (default 0.95).") = None,
+    omega: opt(OptFloat, "advantage.omega", "GiGPO: weight of the step-level advantage (default 1.0).") = None,
+    invalid_action_reward: opt(OptFloat, "reward.invalid_action", "Reward of a reply that maps to no admissible command (<= 0; default 0: off).") = None,
+    invalid_action_in: opt(OptStr, "reward.invalid_action_in", "Where that penalty enters: return (before the group's normalisation, verl-agent's) or advantage (each invalid reply's, after it; zero-variance groups stay out).") = None,
+    mask_cut_replies: opt(OptBool, "advantage.mask_cut_replies", "Replies cut at max_new_tokens get A = 0 (DAPO's overlong filtering, per reply).", "--mask-cut-replies/--no-mask-cut-replies") = None,
+    select: opt(OptStr, "select.stages", "Rollout-selection stages, e.g. greso,cut,dapo (default: cut when the gate is on).", "--select") = None,
+    gate_audit: opt(OptFloat, "select.gate_audit", "Share of the groups the gate would cut that run on anyway (out of the loss): live precision/recall.") = None,
+    dapo_refill: opt(OptInt, "select.dapo_refill", "Extra rollout rounds to refill the batch after the DAPO filter.") = None,
+    lr: opt(OptFloat, "learner.lr", "AdamW learning rate (paper: 5e-5).") = None,
+    loss_agg: opt(OptStr, "learner.loss_agg", "seq-sum | token-mean | seq-mean-token-mean.") = None,
+    kl_coef: opt(OptFloat, "learner.kl_coef", "beta of a KL(policy || warm start) penalty, a mean over action tokens (needs --init-adapter; default 0: off). Under seq-sum, the field's 0.01-0.04 is about that x the action tokens of a trajectory.") = None,
+    eval_every: opt(OptInt, "train.eval_every", "E: greedy held-out eval every E iterations.") = None,
+    log_to: opt(OptStr, "train.log_to", "Also log to tensorboard and/or wandb (comma-separated); metrics.jsonl is always written.") = None,
+    eval_tasks: opt(OptInt, "train.eval_tasks", "H: held-out tasks per eval.") = None,
+    temperature: opt(OptFloat, "sampling.temperature", "Rollout sampling temperature.") = None,
+    max_new_tokens: MaxNewTokensOpt = None,
+    model: ModelOpt = None,
+    sampler: SamplerOpt = None,
+    seed: opt(OptInt, "seed", "Run seed (tasks, sampling, LoRA init).") = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
+    sampler_replicas: SamplerReplicasOpt = None,
+    kv_budget_gb: KVBudgetOpt = None,
+    sampler_batch_size: opt(OptInt, "sampling.batch_size", "Trajectories per sampler forward (the live ones are chunked); lower it when one chunk cannot fit the KV budget.") = None,
+    micro_batch: opt(OptInt, "learner.micro_batch", "Learner rows per forward/backward (the gradient is the same; lower it when the learner cannot fit).") = None,
+    gradient_checkpointing: opt(OptBool, "learner.gradient_checkpointing", "Recompute each layer in backward: about 1/8 of the learner's activations for a second forward's compute.", "--gradient-checkpointing/--no-gradient-checkpointing") = None,
+    sampler_device: opt(OptStr, "model.device", "Device of the sampler (e.g. cuda:0; default auto).") = None,
+    learner_device: opt(OptStr, "learner.device", "Device of the learner (e.g. cuda:1: the learner gets its own process).") = None,
+    layout: opt(OptStr, "train.layout", "auto | colocate | split (split on CPU: the two-process layout).") = None,
+    off_policy: opt(Optional[Path], None, "Tier 2: train on this frozen buffer (trajectories.jsonl of `agentrl rollout --gate off`).", "--off-policy") = None,
+    steps: opt(int, None, "Tier 2: optimizer steps per arm.") = 20,
+    groups_per_step: opt(int, None, "Tier 2: groups sampled per step.") = 4,
+    positions: opt(int, None, "Tier 2: action positions sampled per trajectory.") = 8,
+    ab: opt(bool, None, "Tier 2: baseline and gated arms, same groups and seed (Table 4).", "--ab") = False,
+    init_adapter: opt(OptStr, "train.init_adapter", "Start from this LoRA adapter (e.g. `agentrl sft --out DIR`); the sampler serves it as v0.") = None,
+) -> None:
+    """GRPO on ALFWorld with the gate (Tier 3): rollout, advantages, update, hot-swap, held-out eval.
+
+    With --off-policy BUFFER: Tier 2, updates on a frozen buffer (--ab: baseline vs gated arm)."""
+    from agentrl.train import loop, prerun  # torch: not for --help or the light commands
+
+    given = overrides(train_cmd, locals())
+    if off_policy is not None:
+        cfg = load_config(config, given)
+        return offpolicy_cmd(cfg, off_policy, prerun.offpolicy_plan(cfg, out, steps, groups_per_step, positions, ab, force))
+    run, cfg = prerun.run_config(out, resume, force, config, given)
+    console.print(run_line(run, cfg))
+    tasks = prerun.check_run(cfg)
+    with progress_bar() as bar:
+        task = bar.add_task("loading models and games", total=None, info="")
+        hooks = loop.Hooks(phase=lambda name, total=None: start_phase(bar, task, name, total),
+                           step=lambda n, trajs: bar.update(task, completed=n, info=step_info(trajs)),
+                           done=lambda row: bar.console.print(metrics_line(row, cfg.train.iterations)),
+                           warn=lambda m: bar.console.print(f"[bold yellow]warning:[/] {m}"))
+        if resume is None:
+            loop.start_run(run, cfg, force)
+        loop.train(cfg, run, resume=resume is not None, hooks=hooks, tasks=tasks)
+    print_curve(read_jsonl(run / "metrics.jsonl"), run)
+    console.print(f"wrote {run / 'metrics.jsonl'}; figures and tables with `agentrl report {run}`")
+
+
+def offpolicy_cmd(cfg, buffer_path: Path, plan) -> None:
+    """Tier 2: the same sampled groups through a fresh learner per arm; the Table 4 analogue."""
+    from agentrl.train.offpolicy import load_buffer, offpolicy_markdown, run_offpolicy_ab  # numpy: not for --help
+
+    buffer = load_buffer(buffer_path)
+    if buffer.skipped_cut:
+        err.print(f"[yellow]{buffer.skipped_cut} group(s) were cut during the rollout and are skipped "
+                  "(make the buffer with --gate off)")
+    with progress_bar() as bar:
+        task = bar.add_task("loading model", total=plan.steps * len(plan.arms), info="")
+
+        def progress(arm: str, step: int, total: int, row: dict) -> None:
+            bar.update(task, description=arm, advance=1, info=f"step {step}/{total}")
+
+        report = run_offpolicy_ab(cfg, buffer, plan.steps, plan.groups_per_step, plan.positions, plan.gate, arms=plan.arms,
+                                  progress=progress)
+    atomic_write_json(plan.out / "offpolicy.json", report)
+    atomic_write_text(plan.out / "offpolicy.md", offpolicy_markdown(report))
+    console.print(offpolicy_markdown(report))
+    console.print(f"wrote {plan.out / 'offpolicy.json'} and {plan.out / 'offpolicy.md'}")
+
+
+# ---------------------------------------------------------------- sft
+@app.command("sft")
+def sft_cmd(
+    out: opt(Path, None, "Adapter directory to write (a standard PEFT adapter + agentrl.json + sft_metrics.jsonl)."),
+    games: opt(OptInt, "sft.games", "Walkthroughs to learn from, round-robin over task types (default: all of the split).") = None,
+    epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
+    lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
+    heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
+    force: opt(bool, None, "Overwrite --out if it exists.") = False,
+    reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,
+    model: ModelOpt = None,
+    seed: opt(OptInt, "seed", "Seed (LoRA init, batch order).") = None,
+    data: DataOpt = None,
+    config: ConfigOpt = None,
+    env_workers: EnvWorkersOpt = None,
+    ray_address: RayAddressOpt = None,
+) -> None:
+    """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
+    from agentrl.train import sft  # torch: not for --help or the light commands
+
+    cfg = load_config(config, overrides(sft_cmd, locals()))
+    if reuse and (record := sft.reusable(cfg, out)):
+        console.print(f"{out} already holds this warm start ({record['sft']['examples']} walkthroughs, "
+                      f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
+        return
+    sft.check_out_dir(out, force)  # before anything is loaded
+    resolve_model(cfg.model.name)
+    sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
+    labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training"}
+    with progress_bar() as bar:
+        task = bar.add_task("loading model and games", total=None, info="")
+
+        def advance(n=1, **info) -> None:
+            bar.update(task, advance=n, info=f"nll {info['nll']:.3f}" if "nll" in info else "")
+
+        hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name),
+                                                                        total if name == "train" else None),
+                             advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)))
+        summary = sft.run_sft(cfg, out, force, hooks)
+    for line in sft_summary_lines(summary, out):
+        console.print(line)

