@@ -103,11 +103,11 @@ def rollout_cmd(
     if tier1_ab and the_gate is None:
         raise UserError("--tier1-ab compares no gate with a gate: give --gate K,d_L")
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
+    t_max = cfg.rollout.max_steps or cfg.env.max_steps
     with err.status("loading model"):
         games = load_games(cfg)
-        check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
+        check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, t_max, "rollout")
         policy = make_policy(cfg)
-    t_max = cfg.rollout.max_steps or cfg.env.max_steps
     with progress_bar() as bar:
         def progress(name: str):
             task = bar.add_task(name, total=t_max, info="loading games")
