@@ -54,6 +54,19 @@ def outcome(run: Path) -> tuple[list[dict], dict]:
     return rows, load_file(str(run / "checkpoints" / latest / "adapter" / "adapter_model.safetensors"))
 
 
+def same_rows(rows: list[dict], want: list[dict]) -> bool:
+    """Equal metrics lines, with one field compared to float noise: `logprob_gap` (sampler vs
+    learner log-probs, ~1e-6 here) holds the sampler's batched CPU forward, whose last bits a
+    fresh process does not always reproduce (CI saw 2e-5 for 7e-7 once, every other field
+    equal). Losses, gradient norms and weights come from the learner and stay exact."""
+    def gap_free(r):
+        return {k: v for k, v in r.items() if k != "logprob_gap"}
+
+    gaps = [(r.get("logprob_gap"), w.get("logprob_gap")) for r, w in zip(rows, want)]
+    return ([gap_free(r) for r in rows] == [gap_free(w) for w in want]
+            and all((a is None) == (b is None) and (a is None or abs(a - b) < 1e-4) for a, b in gaps))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_actor_dir):
     tmp = tmp_path_factory.mktemp("reference")
@@ -79,7 +92,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(point, reference, tmp_pa
     assert p.returncode == 0, p.stderr
     rows, weights = outcome(run)
     assert [r["iteration"] for r in rows] == [r["iteration"] for r in want_rows]  # no torn or repeated line
-    assert rows == want_rows  # same tasks, rewards, losses, gradient norms, token counts, evals
+    assert same_rows(rows, want_rows)  # same tasks, rewards, losses, gradient norms, token counts, evals
     assert weights.keys() == want_weights.keys() and all((weights[k] == want_weights[k]).all() for k in weights)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["it00002", "latest"]  # nothing half-written
     assert not [p for p in (run / "adapters").iterdir() if p.name.startswith(".")]
@@ -97,7 +110,7 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(reference, 
     p = agentrl("train", "--resume", str(run))
     assert p.returncode == 0, p.stderr
     rows, weights = outcome(run)
-    assert rows == want_rows and all((weights[k] == want_weights[k]).all() for k in weights)
+    assert same_rows(rows, want_rows) and all((weights[k] == want_weights[k]).all() for k in weights)
 
 
 class Misbehaving:
