@@ -230,8 +230,8 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def generate(self, prompts, params, seeds=None, keys=None):
-        out = self.inner.generate(prompts, params, seeds=seeds, keys=keys)
+    def generate(self, requests, params):
+        out = self.inner.generate(requests, params)
         self.calls += [(self.inner.adapter_version, c) for c in out]
         return out
 

@@ -270,7 +270,7 @@ def rollout_cmd(
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     with err.status("loading model"):
         games = load_games(cfg)
-        from agentrl.sampling.kv import check_kv_fits
+        from agentrl.rollout.plan import check_kv_fits
 
         check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.rollout.max_steps or cfg.env.max_steps, "rollout")
         policy = make_policy(cfg)
@@ -430,7 +430,7 @@ def train_cmd(
         from agentrl.models import check_lora_adapter
 
         check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
-    from agentrl.sampling.kv import check_kv_fits
+    from agentrl.rollout.plan import check_kv_fits
 
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
