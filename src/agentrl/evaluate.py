@@ -104,12 +104,14 @@ def slice_size(cfg: Config, policy, n_games: int, max_steps: int) -> int | None:
     """Games an evaluation steps together: all (None), or as many as the sampler's KV budget holds
     at once; the rest follow in further slices (greedy episodes do not interact: same results)."""
     sampler = getattr(policy, "sampler", None)
-    fit = getattr(sampler, "rows_that_fit", None)
-    if fit is None or cfg.env.kind != "alfworld":
+    if sampler is None or cfg.env.kind != "alfworld":
         return None
     from agentrl.rollout.plan import expected_context_tokens
 
-    rows = max(1, fit(expected_context_tokens(cfg, max_steps, sampler.tokenizer)))
+    fit = sampler.rows_that_fit(expected_context_tokens(cfg, max_steps, sampler.tokenizer))
+    if fit is None:  # the backend manages its own KV memory
+        return None
+    rows = max(1, fit)
     return rows if rows < n_games else None
 
 

@@ -89,6 +89,11 @@ class Sampler(Protocol):
         completions are tagged with `weights.version`. A failed load changes nothing."""
         ...
 
+    def rows_that_fit(self, tokens_per_row: int) -> int | None:
+        """How many sequences of `tokens_per_row` tokens the sampler's KV memory holds at once (an eval
+        steps that many games together); None where the backend manages its own (vLLM, replicas)."""
+        ...
+
     def release(self, keys: list) -> None:
         """The sequences named by `keys` are over (their trajectories ended): a backend that keeps
         per-key state (the hf sampler's KV slots) frees it at once. A no-op where there is none."""

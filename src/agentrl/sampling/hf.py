@@ -179,7 +179,7 @@ class HFSampler:
         """The sequences named by `keys` are over: their slots are free for the next ones."""
         self.store.release(list(keys))
 
-    def rows_that_fit(self, tokens_per_row: int) -> int:
+    def rows_that_fit(self, tokens_per_row: int) -> int | None:
         """How many sequences of `tokens_per_row` tokens the KV budget holds at once."""
         return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
 

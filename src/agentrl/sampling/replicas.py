@@ -143,6 +143,10 @@ class ReplicatedSampler:
     def sleep(self) -> None:
         self._get([r.sleep.remote() for r in self.replicas], "sleep")
 
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        """Each replica holds its own KV memory; the split by task decides the rows each gets."""
+        return None
+
     def release(self, keys) -> None:
         share: dict[int, list] = {}
         for key in keys:  # each key lives on the replica its task was given to

@@ -166,6 +166,10 @@ class VLLMSampler:
     def release(self, keys) -> None:
         """Nothing to free: vLLM's prefix cache manages its own blocks."""
 
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        """vLLM schedules its own KV blocks."""
+        return None
+
     def sleep(self) -> None:
         """Give the GPU back while a colocated learner updates (level 1: weights to CPU memory, KV
         cache dropped, which a new adapter makes stale anyway). No-op without sleep mode."""

@@ -53,7 +53,7 @@ class ArrolStage:
     @property
     def model(self):
         src = self._source
-        return src if isinstance(src, torch.nn.Module) or not hasattr(src, "model") else src.model
+        return src if isinstance(src, torch.nn.Module) else src.model
 
     def begin(self, iteration: int) -> None:
         self.iteration, self._recorded = iteration, {}

@@ -83,6 +83,9 @@ class ExpertSampler:
     def sleep(self) -> None:
         """Nothing to give back."""
 
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        return None  # no KV cache
+
     def close(self) -> None:
         """Nothing held."""
 
