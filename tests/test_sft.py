@@ -116,9 +116,9 @@ def test_windowed_expert_data_is_what_the_policy_is_shown_token_for_token(tmp_pa
     seen = []
     real = sft_module.ExpertSampler.generate
 
-    def recording(self, prompts, params, seeds=None, keys=None):
-        seen.extend(list(p) for p in prompts)
-        return real(self, prompts, params, seeds, keys)
+    def recording(self, requests, params):
+        seen.extend(list(r.prompt_ids) for r in requests)
+        return real(self, requests, params)
 
     sft_module.ExpertSampler.generate = recording
     try:
