@@ -77,12 +77,9 @@ def main() -> None:
 
     from agentrl.config import load_config
     from agentrl.models import load_tokenizer, resolve_model
-    from agentrl.sampling.kv import (
-        TOKENS_PER_STEP,
-        _round_up,
-        expected_context_tokens,
-        kv_bytes_per_token,
-    )
+    from agentrl.rollout.plan import TOKENS_PER_STEP, expected_context_tokens
+    from agentrl.sampling.compat import kv_bytes_per_token
+    from agentrl.sampling.kv import _round_up
 
     summary = json.loads((args.eval_dir / "summary.json").read_text())
     cfg = load_config(None)

@@ -14,8 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from agentrl.models import load_model
 from agentrl.sampling.hf import HFSampler
-from agentrl.sampling.kv import TYPICAL_FIRST_OBSERVATION
-from agentrl.sampling.base import SamplingParams
+from agentrl.rollout.plan import TYPICAL_FIRST_OBSERVATION
+from agentrl.sampling.base import GenRequest, SamplingParams
+from agentrl.weights import WeightsRef
 from agentrl.train.loss import token_logprobs
 from agentrl.prompt import ChatRenderer
 from agentrl.config import load_config
@@ -35,8 +36,8 @@ prompts = [r.initial(msgs("pick_and_place_simple", obs + t, None)) for t in task
 learner = PeftModel.from_pretrained(copy.deepcopy(base), adapter).eval()
 for merge in (True, False):
     s = HFSampler(copy.deepcopy(base), tok, merge_adapter=merge)
-    s.load_adapter(adapter, version=1)
-    comps = s.generate(prompts, SamplingParams(1.0, 1.0, 24), seeds=list(range(len(prompts))))
+    s.load(WeightsRef(adapter, 1))
+    comps = s.generate([GenRequest(p, seed=i) for i, p in enumerate(prompts)], SamplingParams(1.0, 1.0, 24))
     gaps, n = 0.0, 0
     for p, c in zip(prompts, comps):
         ids = torch.tensor([p + c.token_ids])

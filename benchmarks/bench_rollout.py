@@ -19,8 +19,9 @@ import torch
 from agentrl.config import load_config
 from agentrl.env.data import discover_games
 from agentrl.models import load_model
-from agentrl.rollout import Gate, ModelPolicy, compute_signals, run_lockstep
-from agentrl.sampling.base import SamplingParams
+from agentrl.rollout import ModelPolicy, compute_signals, run_lockstep
+from agentrl.select.gate_rule import Threshold
+from agentrl.sampling.base import GenRequest, SamplingParams
 from agentrl.sampling.hf import HFSampler
 
 
@@ -45,7 +46,7 @@ def main() -> None:
     def policy():
         return ModelPolicy(HFSampler(model, tok), params, seed=0)
 
-    policy().sampler.generate([tok("warm up", add_special_tokens=False).input_ids], SamplingParams(0.0, 1.0, 4))
+    policy().sampler.generate([GenRequest(tok("warm up", add_special_tokens=False).input_ids)], SamplingParams(0.0, 1.0, 4))
     lock = run_lockstep(games, policy(), args.max_steps, group_size=args.group_size)
     seq_wall = seq_gen = 0.0
     seq_tokens = 0
@@ -77,7 +78,7 @@ def main() -> None:
     vocab = [f"go to cabinet {i}" for i in range(12)] + ["look", "open fridge 1", "take apple 1 from countertop 1"]
     groups = [([[rng.choice(vocab) for _ in range(10)] for _ in range(8)], [rng.choice(vocab) for _ in range(8)], [False] * 8)
               for _ in range(200)]
-    gate = Gate(10, 0.12)
+    gate = Threshold(10, 0.12)
 
     def decide():
         for acts, obs, fin in groups:

@@ -210,6 +210,18 @@ class GenerateSampler:
         return out
 
 
+def generate(sampler, prompts, params, seeds, keys):
+    """One call in the engine's own protocol: GenRequest rows for the current HFSampler; prompts,
+    seeds and keys side by side for the previous engine and `generate` (they predate GenRequest)."""
+    from agentrl.sampling.base import GenRequest
+    from agentrl.sampling.hf import HFSampler
+
+    if isinstance(sampler, HFSampler):
+        keys = keys or [None] * len(prompts)
+        return sampler.generate([GenRequest(p, seed=s, key=k) for p, s, k in zip(prompts, seeds, keys)], params)
+    return sampler.generate(prompts, params, seeds, keys)
+
+
 def make_engine(name: str, model, tokenizer, batch_size: int):
     if name in ("new", "unmerged"):
         from agentrl.sampling.hf import HFSampler
@@ -270,9 +282,14 @@ def run_child(args) -> None:
     load_s = time.perf_counter() - t0
     sampler = make_engine(args.child, model, tok, args.batch_size)
     if args.adapter:
-        if not hasattr(sampler, "load_adapter"):
+        if args.child in ("new", "unmerged"):
+            from agentrl.weights import WeightsRef
+
+            sampler.load(WeightsRef(args.adapter, 1))
+        elif hasattr(sampler, "load_adapter"):  # the previous engine (its own protocol)
+            sampler.load_adapter(args.adapter, version=1)
+        else:
             raise BenchError(f"--adapter: the {args.child} engine cannot load an adapter")
-        sampler.load_adapter(args.adapter, version=1)
     renderer, messages, cfg = prompt_builder(tok)
     params = SamplingParams(args.temperature, 1.0, args.max_new_tokens)
     cuda = device.startswith("cuda")
@@ -285,7 +302,7 @@ def run_child(args) -> None:
     finish: list[list[str]] = [[] for _ in rows]
 
     # warm-up (kernels, allocator, lazy imports): one short call without keys, not timed
-    sampler.generate([ids[0][-32:]], SamplingParams(0.0, 1.0, 4), [0], None)
+    generate(sampler, [ids[0][-32:]], SamplingParams(0.0, 1.0, 4), [0], None)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -299,7 +316,7 @@ def run_child(args) -> None:
         start = time.perf_counter()
         seeds = [row_seed(0, rows[r][0]["game_id"], rows[r][1], t) for r in live]
         keys = [(rows[r][0]["game_id"], rows[r][1]) for r in live]
-        completions = sampler.generate([ids[r] for r in live], params, seeds, keys)
+        completions = generate(sampler, [ids[r] for r in live], params, seeds, keys)
         generated = time.perf_counter() - start
         if len(completions) != len(live):
             raise RuntimeError(f"{args.child}: {len(completions)} completions for {len(live)} prompts")

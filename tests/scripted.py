@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from agentrl.env.synthetic import task
-from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.sampling.base import Completion, GenRequest, SamplingParams
 
 MODES = ("split", "stall", "wander")
 
@@ -44,7 +44,7 @@ class ScriptedSampler:
         self.tokenizer = inner.tokenizer
         self.scripted = self.sampled = 0  # replies written by the script / by the real model
 
-    def __getattr__(self, name):  # model, adapter_version, load_adapter, ...: the real sampler's
+    def __getattr__(self, name):  # model, adapter_version, load, ...: the real sampler's
         return getattr(self.inner, name)
 
     def mode(self, game_id: str) -> str:
@@ -66,21 +66,19 @@ class ScriptedSampler:
             return ({0: win} if step == 0 else {1: win, 2: lose}).get(index, wait if step == 0 else None)
         return {0: win, 1: lose}.get(index)
 
-    def generate(self, prompts, params: SamplingParams, seeds=None, keys=None) -> list[Completion]:
-        if params.greedy or keys is None:
-            return self.inner.generate(prompts, params, seeds, keys)
-        replies = [self.reply(p, k) for p, k in zip(prompts, keys)]
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        if params.greedy or any(r.key is None for r in requests):
+            return self.inner.generate(requests, params)
+        replies = [self.reply(list(r.prompt_ids), r.key) for r in requests]
         free = [i for i, r in enumerate(replies) if r is None]
-        sampled = self.inner.generate([prompts[i] for i in free], params,
-                                      None if seeds is None else [seeds[i] for i in free],
-                                      [keys[i] for i in free]) if free else []
-        out: list[Completion | None] = [None] * len(prompts)
+        sampled = self.inner.generate([requests[i] for i in free], params) if free else []
+        out: list[Completion | None] = [None] * len(requests)
         for i, c in zip(free, sampled):
             out[i] = c
         for i, r in enumerate(replies):
             if r is not None:
-                out[i] = self._forced(prompts[i], r)
-        self.scripted += len(prompts) - len(free)
+                out[i] = self._forced(list(requests[i].prompt_ids), r)
+        self.scripted += len(requests) - len(free)
         self.sampled += len(free)
         return out
 
@@ -101,3 +99,9 @@ def wrap_make_sampler(modes: tuple[str, ...] = ("split",)) -> None:
 
     real = sampling.make_sampler
     sampling.make_sampler = lambda cfg, *a, **k: ScriptedSampler(real(cfg, *a, **k), modes)
+
+
+def rows(prompts, seeds=None, keys=None) -> list[GenRequest]:
+    """GenRequests of parallel lists (tests written row-wise read shorter this way)."""
+    return [GenRequest(p, seed=None if seeds is None else seeds[i], key=None if keys is None else keys[i])
+            for i, p in enumerate(prompts)]

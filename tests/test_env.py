@@ -130,7 +130,8 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     from agentrl.config import load_config
     from agentrl.evaluate import build_policy, slice_size
     from agentrl.sampling.hf import HFSampler
-    from agentrl.sampling.kv import expected_context_tokens, kv_bytes_per_token
+    from agentrl.rollout.plan import expected_context_tokens
+    from agentrl.sampling.compat import kv_bytes_per_token
 
     cfg = load_config(None)
     per_row = expected_context_tokens(cfg, 30, tokenizer) * kv_bytes_per_token(tiny_model.config, torch.float32)

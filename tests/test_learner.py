@@ -14,12 +14,14 @@ from agentrl.sampling.hf import HFSampler
 from agentrl.config import LearnerConfig
 from agentrl.train.learner import LocalLearner
 from agentrl.train.loss import token_logprobs
+from agentrl.weights import WeightsRef
+from scripted import rows
 
 GAME = Game("task/trial", "train", "pick_and_place_simple", None)
 
 
 def sampled_trajectory(sampler, prompt, seed, index):
-    c = sampler.generate([prompt], SamplingParams(1.0, 1.0, 6), seeds=[seed])[0]
+    c = sampler.generate(rows([prompt], seeds=[seed]), SamplingParams(1.0, 1.0, 6))[0]
     t = Trajectory(game=GAME, index=index)
     t.append(prompt, generated=False)
     t.append(c.token_ids, generated=True, logprobs=c.logprobs)
@@ -81,12 +83,12 @@ def test_adapter_round_trip_and_hot_swap(tiny_model, tokenizer, trajectories, tm
         assert torch.allclose(loaded(input_ids=ids).logits, want, atol=1e-5)
 
     sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer)
-    sampler.load_adapter(str(v1), version=1)
-    sampler.load_adapter(str(v2), version=2)
+    sampler.load(WeightsRef(str(v1), 1))
+    sampler.load(WeightsRef(str(v2), 2))
     assert list(sampler.model.peft_config) == ["v2"] and sampler.adapter_version == 2  # base stays, one adapter
     with torch.no_grad():
         assert torch.allclose(sampler.model(input_ids=ids).logits, want, atol=1e-5)
-    out = sampler.generate([trajectories[0].token_ids[:5]], SamplingParams(0.0, 1.0, 3))
+    out = sampler.generate(rows([trajectories[0].token_ids[:5]]), SamplingParams(0.0, 1.0, 3))
     assert out[0].adapter_version == 2
 
 
@@ -108,19 +110,19 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
     merged = HFSampler(copy.deepcopy(tiny_model), tokenizer)
     unmerged = HFSampler.from_config(load_config(None, {"sampling.merge_adapter": False}), copy.deepcopy(tiny_model), tokenizer)
     assert merged.merge_adapter and not unmerged.merge_adapter
-    merged.load_adapter(str(v1), version=1)
+    merged.load(WeightsRef(str(v1), 1))
     weights = lambda s: {n: p.detach().clone() for n, p in s.model.named_parameters() if "lora_" not in n}  # noqa: E731
     at_v1 = weights(merged)
-    merged.load_adapter(str(v2), version=2)
-    unmerged.load_adapter(str(v2), version=2)
+    merged.load(WeightsRef(str(v2), 2))
+    unmerged.load(WeightsRef(str(v2), 2))
     layers = merged._lora_layers()
     assert layers and all(m.merged for _, m in layers) and not any(m.merged for _, m in unmerged._lora_layers())
     assert any(not torch.equal(p, at_v1[n]) for n, p in weights(merged).items())  # v2 is not v1
 
     prompts = [trajectories[0].token_ids[:5], trajectories[1].token_ids[:7]]
     for params in (SamplingParams(0.0, 1.0, 6), SamplingParams(1.0, 1.0, 6)):
-        a = merged.generate(prompts, params, seeds=[4, 5])
-        b = unmerged.generate(prompts, params, seeds=[4, 5])
+        a = merged.generate(rows(prompts, seeds=[4, 5]), params)
+        b = unmerged.generate(rows(prompts, seeds=[4, 5]), params)
         assert [c.token_ids for c in a] == [c.token_ids for c in b]
         for x, y in zip(a, b):
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
@@ -129,15 +131,15 @@ def test_the_sampler_serves_the_adapter_merged_and_swaps_restore_the_base_exactl
         assert torch.allclose(merged.model(input_ids=ids).logits, learner.model(input_ids=ids).logits, atol=1e-5)
 
     for _ in range(3):  # v1 -> v2 -> v1 ...: the weights at v1 are those of the first load, bit for bit
-        merged.load_adapter(str(v2), version=2)
-        merged.load_adapter(str(v1), version=1)
+        merged.load(WeightsRef(str(v2), 2))
+        merged.load(WeightsRef(str(v1), 1))
     assert all(torch.equal(p, at_v1[n]) for n, p in weights(merged).items())
 
     other = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
     get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "other")
     with pytest.raises(UserError, match="does not fit the base model"):
-        merged.load_adapter(str(tmp_path / "other"), version=3)
+        merged.load(WeightsRef(str(tmp_path / "other"), 3))
     assert merged.adapter_version == 1 and all(m.merged for _, m in merged._lora_layers() if "v1" in m.lora_A)
     assert all(torch.equal(p, at_v1[n]) for n, p in weights(merged).items())  # a failed load changes nothing
 
@@ -293,7 +295,7 @@ def windowed_trajectory(sampler, tokenizer, history, seed, index, steps=4):
     t = Trajectory(game=GAME, index=index)
     t.append(tokenizer("Your task is to: put a mug in the sink.\n>", add_special_tokens=False).input_ids, generated=False)
     for k in range(steps):
-        c = sampler.generate([window(t, history)], SamplingParams(1.0, 1.0, 5), seeds=[seed * 100 + k])[0]
+        c = sampler.generate(rows([window(t, history)], seeds=[seed * 100 + k]), SamplingParams(1.0, 1.0, 5))[0]
         t.append(c.token_ids, generated=True, logprobs=c.logprobs)
         t.step_tokens.append(len(c.token_ids))
         t.append(tokenizer(f"\nYou see cabinet {k + 1}.\n>", add_special_tokens=False).input_ids, generated=False)

@@ -16,6 +16,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is the optional extra agentrl[ray] (the dev set-up installs it)")
 
 from agentrl.rollout import ModelPolicy, WalkthroughPolicy, run_lockstep  # noqa: E402
+from agentrl.weights import WeightsRef  # noqa: E402
+from scripted import rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,10 +192,10 @@ def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray,
         # a hot-swap reaches every replica, and each reports the version it now serves
         model = load_model(str(tiny_actor_dir), "float32", "cpu")[0]
         get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(tmp_path / "v3")
-        replicated.load_adapter(str(tmp_path / "v3"), 3)
+        replicated.load(WeightsRef(str(tmp_path / "v3"), 3))
         assert replicated.served_versions() == [3, 3] and replicated.adapter_version == 3
-        assert {c.adapter_version for c in replicated.generate([one.trajectories[0].token_ids[:20]] * 2, params, [1, 2],
-                                                               [("a", 0), ("b", 0)])} == {3}
+        again = rows([one.trajectories[0].token_ids[:20]] * 2, seeds=[1, 2], keys=[("a", 0), ("b", 0)])
+        assert {c.adapter_version for c in replicated.generate(again, params)} == {3}
     finally:
         replicated.close()
     assert [(t.token_ids, t.stop_reason) for t in two.trajectories] == [(t.token_ids, t.stop_reason) for t in one.trajectories]

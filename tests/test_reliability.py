@@ -124,10 +124,10 @@ class Misbehaving:
     def release(self, keys):
         self.inner.release(keys)
 
-    def generate(self, prompts, params, seeds=None, keys=None):
+    def generate(self, requests, params):
         from dataclasses import replace
 
-        out = self.inner.generate(prompts, params, seeds, keys)
+        out = self.inner.generate(requests, params)
         out[0] = replace(out[0], token_ids=[], logprobs=[], text="", finish_reason="stop")
         c = out[1]
         long = (c.token_ids * (3 * params.max_new_tokens))[: 3 * params.max_new_tokens]

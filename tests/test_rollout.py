@@ -135,7 +135,7 @@ def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, toke
     sampler.max_model_len = first + 60 + params.max_new_tokens  # room for the first prompt and about one more turn
     seen: list[int] = []
     inner = sampler.generate
-    sampler.generate = lambda prompts, *a, **k: (seen.extend(len(p) for p in prompts), inner(prompts, *a, **k))[1]
+    sampler.generate = lambda requests, *a, **k: (seen.extend(len(r.prompt_ids) for r in requests), inner(requests, *a, **k))[1]
     rollout = run_lockstep([game], ModelPolicy(sampler, params, seed=1), max_steps=20, fuzzy_threshold=0, group_size=2)
     for t in rollout.trajectories:
         assert t.stop_reason == "context_full" and 1 <= len(t.steps) < 20

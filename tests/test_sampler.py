@@ -10,7 +10,9 @@ import torch
 from agentrl.errors import UserError
 from agentrl.sampling.base import SamplingParams
 from agentrl.sampling.hf import HFSampler, row_uniforms
-from agentrl.sampling.kv import KVBudgetError, SlotStore, kv_bytes_per_token
+from agentrl.sampling.compat import kv_bytes_per_token
+from agentrl.sampling.kv import KVBudgetError, SlotStore
+from scripted import rows
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def _teacher_forced(model, prompt, ids):
 
 def test_greedy_matches_transformers_generate(arch_model, tokenizer, prompts):
     sampler = HFSampler(arch_model, tokenizer)
-    out = sampler.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    out = sampler.generate(rows(prompts), SamplingParams(temperature=0, max_new_tokens=8))
     for p, c in zip(prompts, out):
         ref = arch_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=list(sampler.stop_ids),
                                   pad_token_id=tokenizer.pad_token_id)
@@ -56,7 +58,7 @@ def test_greedy_matches_transformers_generate(arch_model, tokenizer, prompts):
 def test_logprobs_equal_teacher_forced(arch_model, tokenizer, prompts):
     sampler = HFSampler(arch_model, tokenizer)
     params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=6)
-    for p, c in zip(prompts, sampler.generate(prompts, params, seeds=[1, 2])):
+    for p, c in zip(prompts, sampler.generate(rows(prompts, seeds=[1, 2]), params)):
         assert c.logprobs == pytest.approx(_teacher_forced(arch_model, p, c.token_ids), abs=1e-4)
 
 
@@ -79,9 +81,9 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
     for reuse in (False, True):
         sampler = HFSampler(arch_model, tokenizer)
         keys = ["a", "b"] if reuse else None
-        first = sampler.generate(prompts, params, seeds=[1, 2], keys=keys)
+        first = sampler.generate(rows(prompts, seeds=[1, 2], keys=keys), params)
         second_prompts = [p + c.token_ids + obs[: 3 + 4 * i] for i, (p, c) in enumerate(zip(prompts, first))]
-        second = sampler.generate(second_prompts, params, seeds=[3, 4], keys=keys)
+        second = sampler.generate(rows(second_prompts, seeds=[3, 4], keys=keys), params)
         if reuse:
             assert sampler.reused_tokens == sum(len(p) + len(c.token_ids) - 1 for p, c in zip(prompts, first))
             assert sampler.store.live == 2
@@ -92,7 +94,7 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
         window = [p + c.token_ids + obs[:2] for p, c in zip(prompts, second)]
         held = [p + c.token_ids[:-1] for p, c in zip(second_prompts, second)]  # the last token's keys are not computed
         before = sampler.reused_tokens
-        third = sampler.generate(window, params, seeds=[5, 6], keys=keys)
+        third = sampler.generate(rows(window, seeds=[5, 6], keys=keys), params)
         if reuse:  # the opening at least (more only where two replies happen to start alike)
             assert sampler.reused_tokens - before == sum(_common_prefix(h, w) for h, w in zip(held, window))
             assert sampler.reused_tokens - before >= sum(len(p) for p in prompts)
@@ -107,17 +109,17 @@ def test_multi_turn_reuse_is_exact_and_equals_no_reuse(arch_model, tokenizer, pr
 def test_seeds_reproduce_a_row_whatever_the_batch(arch_model, tokenizer, prompts):
     sampler = HFSampler(arch_model, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
-    both = sampler.generate(prompts, params, seeds=[11, 22])
-    alone = sampler.generate(prompts[1:], params, seeds=[22])
+    both = sampler.generate(rows(prompts, seeds=[11, 22]), params)
+    alone = sampler.generate(rows(prompts[1:], seeds=[22]), params)
     assert both[1].token_ids == alone[0].token_ids
-    other = sampler.generate(prompts[1:], params, seeds=[23])
+    other = sampler.generate(rows(prompts[1:], seeds=[23]), params)
     assert other[0].token_ids != alone[0].token_ids
 
 
 def test_batch_size_chunks_do_not_change_results(tiny_model, tokenizer, prompts):
     params = SamplingParams(temperature=1.0, max_new_tokens=5)
-    big = HFSampler(tiny_model, tokenizer, batch_size=8).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
-    small = HFSampler(tiny_model, tokenizer, batch_size=1).generate(prompts * 2, params, seeds=[1, 2, 3, 4])
+    big = HFSampler(tiny_model, tokenizer, batch_size=8).generate(rows(prompts * 2, seeds=[1, 2, 3, 4]), params)
+    small = HFSampler(tiny_model, tokenizer, batch_size=1).generate(rows(prompts * 2, seeds=[1, 2, 3, 4]), params)
     assert [c.token_ids for c in big] == [c.token_ids for c in small]
 
 
@@ -125,12 +127,12 @@ def test_sync_points_and_compaction_do_not_change_results(tiny_model, tokenizer,
     """Rows that stop early stay in the batch until a sync point, then leave it (gathered rows
     instead of a view): neither changes any row's tokens or log-probs."""
     params = SamplingParams(temperature=0, max_new_tokens=12)
-    ref = HFSampler(tiny_model, tokenizer, sync_every=64).generate(prompts * 3, params)
+    ref = HFSampler(tiny_model, tokenizer, sync_every=64).generate(rows(prompts * 3), params)
     stop = ref[0].token_ids[1]  # rows of prompt 0 now stop at their second token, the others run on
     for every in (1, 2, 64):
         sampler = HFSampler(tiny_model, tokenizer, sync_every=every)
         sampler.stop_ids = {stop}
-        out = sampler.generate(prompts * 3, params)
+        out = sampler.generate(rows(prompts * 3), params)
         for r, c in zip(ref, out):
             k = r.token_ids.index(stop) + 1 if stop in r.token_ids else len(r.token_ids)
             assert c.token_ids == r.token_ids[:k] and c.logprobs == pytest.approx(r.logprobs[:k], abs=1e-5)
@@ -139,11 +141,11 @@ def test_sync_points_and_compaction_do_not_change_results(tiny_model, tokenizer,
 def test_stop_token_ends_a_row_and_others_continue(tiny_model, tokenizer, prompts):
     sampler = HFSampler(tiny_model, tokenizer)
     params = SamplingParams(temperature=0, max_new_tokens=6)
-    first = sampler.generate(prompts, params)
+    first = sampler.generate(rows(prompts), params)
     stop = first[0].token_ids[-1]
     k = first[0].token_ids.index(stop)  # row 0 now stops at the first occurrence of its last token
     sampler.stop_ids = {stop}
-    out = sampler.generate(prompts, params)
+    out = sampler.generate(rows(prompts), params)
     assert out[0].finish_reason == "stop" and out[0].token_ids == first[0].token_ids[: k + 1]
     if stop not in first[1].token_ids:
         assert out[1].finish_reason == "length" and out[1].token_ids == first[1].token_ids
@@ -156,9 +158,9 @@ def test_peft_adapter_is_applied(tiny_model, tokenizer, prompts, tmp_path):
     peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
     params = SamplingParams(temperature=0, max_new_tokens=6)
-    base = HFSampler(copy.deepcopy(tiny_model), tokenizer).generate(prompts, params)
+    base = HFSampler(copy.deepcopy(tiny_model), tokenizer).generate(rows(prompts), params)
     sampler = HFSampler(copy.deepcopy(tiny_model), tokenizer, adapter=str(tmp_path / "adapter"))
-    adapted = sampler.generate(prompts, params)
+    adapted = sampler.generate(rows(prompts), params)
     assert adapted[0].logprobs == pytest.approx(_teacher_forced(peft_model, prompts[0], adapted[0].token_ids), abs=1e-4)
     assert [c.logprobs for c in adapted] != [c.logprobs for c in base]
     assert sampler.adapter_version == 0
@@ -168,7 +170,7 @@ def test_a_shared_model_keeps_its_own_attention(tiny_model, tokenizer, prompts):
     """The engine routes attention through its function only during its calls: a learner holding
     the same model object computes with transformers' attention before and after."""
     before = tiny_model.config._attn_implementation
-    HFSampler(tiny_model, tokenizer).generate(prompts, SamplingParams(temperature=0, max_new_tokens=3))
+    HFSampler(tiny_model, tokenizer).generate(rows(prompts), SamplingParams(temperature=0, max_new_tokens=3))
     assert tiny_model.config._attn_implementation == before != "agentrl_slots"
 
 
@@ -197,9 +199,9 @@ def test_a_sliding_window_caps_the_served_length(tokenizer):
 def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
     sampler = HFSampler(tiny_model, tokenizer)
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
-    group = sampler.generate([prompts[1]] * 3 + [prompts[0]], params, seeds=[1, 2, 3, 4])
+    group = sampler.generate(rows([prompts[1]] * 3 + [prompts[0]], seeds=[1, 2, 3, 4]), params)
     assert sampler.prefill_tokens == len(prompts[1]) + len(prompts[0])
-    alone = HFSampler(tiny_model, tokenizer).generate([prompts[1]], params, seeds=[2])
+    alone = HFSampler(tiny_model, tokenizer).generate(rows([prompts[1]], seeds=[2]), params)
     assert group[1].token_ids == alone[0].token_ids
     assert group[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
 
@@ -213,16 +215,16 @@ def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, t
     assert len({len(p) for p in fresh}) > 1
     obs = tokenizer("you arrive at desk 1 and see a lamp", add_special_tokens=False).input_ids
     batched = HFSampler(tiny_model, tokenizer)
-    first = batched.generate(fresh, params, seeds=[1, 2, 3], keys=[0, 1, 2])
+    first = batched.generate(rows(fresh, seeds=[1, 2, 3], keys=[0, 1, 2]), params)
     assert batched.prefill_pad_tokens > 0  # the fresh rows shared a bucket
     turn2 = [p + c.token_ids + obs[: len(obs) - i] for i, (p, c) in enumerate(zip(fresh, first))]
     pads = batched.prefill_pad_tokens
-    second = batched.generate(turn2, params, seeds=[4, 5, 6], keys=[0, 1, 2])
+    second = batched.generate(rows(turn2, seeds=[4, 5, 6], keys=[0, 1, 2]), params)
     assert batched.prefill_pad_tokens > pads and batched.reused_tokens > 0  # continued rows, padded, cache reused
     for i in range(3):
         alone = HFSampler(tiny_model, tokenizer)
-        a1 = alone.generate([fresh[i]], params, seeds=[i + 1])[0]
-        a2 = alone.generate([turn2[i]], params, seeds=[i + 4])[0]
+        a1 = alone.generate(rows([fresh[i]], seeds=[i + 1]), params)[0]
+        a2 = alone.generate(rows([turn2[i]], seeds=[i + 4]), params)[0]
         assert (a1.token_ids, a2.token_ids) == (first[i].token_ids, second[i].token_ids)
         assert a1.logprobs + a2.logprobs == pytest.approx(first[i].logprobs + second[i].logprobs, abs=1e-4)
         assert alone.prefill_pad_tokens == 0
@@ -239,7 +241,7 @@ def test_released_slots_are_reused_and_the_store_stays_flat(tiny_model, tokenize
         keys = [(episode, i) for i in range(4)]
         ids = [list(prompts[i % 2]) for i in range(4)]
         for turn in range(3):
-            out = sampler.generate(ids, params, seeds=[episode * 10 + turn] * 4, keys=keys)
+            out = sampler.generate(rows(ids, seeds=[episode * 10 + turn] * 4, keys=keys), params)
             ids = [p + c.token_ids + obs for p, c in zip(ids, out)]
         assert sampler.store.live == 4 and sampler.store.slots == 4
         sizes.append(sampler.store.nbytes)
@@ -259,11 +261,11 @@ def test_a_batch_is_packed_into_consecutive_slots(tiny_model, tokenizer, prompts
     sampler.stop_ids = set()  # no row stops mid-reply (that swaps slots too): only the packing moves rows
     keys = list(range(5))
     ids = [list(prompts[i % 2]) for i in range(5)]
-    out = sampler.generate(ids, params, seeds=list(range(5)), keys=keys)
+    out = sampler.generate(rows(ids, seeds=list(range(5)), keys=keys), params)
     ids = [p + c.token_ids + obs for p, c in zip(ids, out)]
     sampler.release([1, 2])
     left = [0, 3, 4]
-    second = sampler.generate([ids[k] for k in left], params, seeds=[7, 8, 9], keys=left)
+    second = sampler.generate(rows([ids[k] for k in left], seeds=[7, 8, 9], keys=left), params)
     packed = sorted(sampler.store.slot_of[k] for k in left)
     assert packed == list(range(packed[0], packed[0] + 3)) and sampler.store.moves == 1  # row 0 moved next to 3 and 4
     for k, c in zip(left, second):
@@ -276,15 +278,15 @@ def test_over_budget_the_store_drops_other_caches_then_refuses(tiny_model, token
     params = SamplingParams(temperature=1.0, max_new_tokens=4)
     per_row = 128 * kv_bytes_per_token(tiny_model.config, torch.float32)  # one slot of 128 positions
     sampler = HFSampler(tiny_model, tokenizer, kv_budget_gb=2.5 * per_row / (1 << 30))
-    a = sampler.generate(prompts, params, seeds=[1, 2], keys=["a", "b"])
-    c = sampler.generate([prompts[0]], params, seeds=[3], keys=["c"])  # 3 slots do not fit: "a" is dropped
+    a = sampler.generate(rows(prompts, seeds=[1, 2], keys=["a", "b"]), params)
+    c = sampler.generate(rows([prompts[0]], seeds=[3], keys=["c"]), params)  # 3 slots do not fit: "a" is dropped
     assert sampler.store.dropped == 1 and "a" not in sampler.store.slot_of and sampler.store.nbytes <= 2.5 * per_row
     turn2 = prompts[0] + a[0].token_ids + prompts[1]
-    again = sampler.generate([turn2], params, seeds=[4], keys=["a"])  # "a" re-runs its whole prompt
-    fresh = HFSampler(tiny_model, tokenizer).generate([turn2], params, seeds=[4])
+    again = sampler.generate(rows([turn2], seeds=[4], keys=["a"]), params)  # "a" re-runs its whole prompt
+    fresh = HFSampler(tiny_model, tokenizer).generate(rows([turn2], seeds=[4]), params)
     assert again[0].token_ids == fresh[0].token_ids and c[0].token_ids
     with pytest.raises(KVBudgetError, match="over sampling.kv_budget_gb.*lower sampling.batch_size") as e:
-        sampler.generate(prompts * 2, params, seeds=[1, 2, 3, 4], keys=["w", "x", "y", "z"])
+        sampler.generate(rows(prompts * 2, seeds=[1, 2, 3, 4], keys=["w", "x", "y", "z"]), params)
     assert "\n" not in str(e.value)
 
 
@@ -294,10 +296,13 @@ def test_store_grows_one_layer_at_a_time_and_keeps_its_rows():
     config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3)
     store = SlotStore(config, torch.float32, torch.device("cpu"), budget_bytes=None, grow_tokens=4)
     store.place(["x"], [3])
-    store.k[1][0, :, :3] = 7.0
+    store.storage.k[1][0, :, :3] = 7.0
     store.hold("x", [1, 2, 3])
     store.place(["x", "y"], [9, 2])  # more slots and more positions
-    assert (store.slots, store.capacity) == (2, 12) and bool((store.k[1][0, :, :3] == 7.0).all())
+    assert (store.slots, store.capacity) == (2, 12) and bool((store.storage.k[1][0, :, :3] == 7.0).all())
+    with store.storage.pin(), pytest.raises(RuntimeError, match="under a running batch"):
+        store.place(["z"], [20])  # a running batch's buffers are never reallocated
+    assert (store.slots, store.capacity) == (2, 12)
     assert store.reusable("x", [1, 2, 3, 4]) == 3 and store.reusable("x", [9, 2, 3, 4]) == 0
     # the common prefix of a prompt that does not extend the held ids, at least one token left to run
     assert store.reusable("x", [1, 2, 9, 9]) == 2 and store.reusable("x", [1, 2, 3]) == 2 and store.reusable("x", [1]) == 0
@@ -330,10 +335,10 @@ def test_length_buckets_bound_the_padding():
 def test_on_cuda_the_engine_equals_a_teacher_forced_forward(tiny_model, tokenizer, prompts):
     model = copy.deepcopy(tiny_model).cuda()
     sampler = HFSampler(model, tokenizer)
-    out = sampler.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[1, 2], keys=["a", "b"])
+    out = sampler.generate(rows(prompts, seeds=[1, 2], keys=["a", "b"]), SamplingParams(temperature=1.0, max_new_tokens=6))
     for p, c in zip(prompts, out):
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([p + c.token_ids], device="cuda")).logits[0].float(), -1)
         assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
-    cpu = HFSampler(tiny_model, tokenizer).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seeds=[1, 2])
+    cpu = HFSampler(tiny_model, tokenizer).generate(rows(prompts, seeds=[1, 2]), SamplingParams(temperature=1.0, max_new_tokens=6))
     assert [c.token_ids for c in out] == [c.token_ids for c in cpu]  # the same noise on every device

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from agentrl.errors import UserError
-from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.sampling.base import Completion, GenRequest, SamplingParams
+from agentrl.weights import WeightsRef
+from scripted import rows
 
 BACKENDS = ["hf", "vllm-fake"]
 
@@ -174,7 +176,7 @@ def check_completion(sampler, prompt: list[int], c: Completion, params: Sampling
 
 def test_one_completion_per_prompt_in_order(sampler, prompts):
     params = SamplingParams(temperature=1.0, max_new_tokens=6)
-    out = sampler.generate(prompts, params, seeds=[1, 2, 3])
+    out = sampler.generate(rows(prompts, seeds=[1, 2, 3]), params)
     assert len(out) == len(prompts)
     for p, c in zip(prompts, out):
         check_completion(sampler, p, c, params)
@@ -183,9 +185,9 @@ def test_one_completion_per_prompt_in_order(sampler, prompts):
 
 def test_stop_token_ends_a_row(sampler, prompts):
     greedy = SamplingParams(temperature=0, max_new_tokens=5)
-    first = sampler.generate(prompts[:1], greedy)[0]
+    first = sampler.generate(rows(prompts[:1]), greedy)[0]
     sampler.stop_ids = {first.token_ids[2]}  # make the third greedy token a stop token
-    out = sampler.generate(prompts[:1], greedy)[0]
+    out = sampler.generate(rows(prompts[:1]), greedy)[0]
     k = first.token_ids.index(first.token_ids[2])
     assert out.finish_reason == "stop" and out.token_ids == first.token_ids[: k + 1]
     check_completion(sampler, prompts[0], out, greedy)
@@ -193,9 +195,9 @@ def test_stop_token_ends_a_row(sampler, prompts):
 
 def test_same_seed_same_tokens_whatever_the_batch(sampler, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=8)
-    batch = sampler.generate(prompts, params, seeds=[11, 22, 33])
-    alone = sampler.generate(prompts[1:2], params, seeds=[22])
-    reordered = sampler.generate([prompts[2], prompts[1], prompts[1]], params, seeds=[33, 22, 44])
+    batch = sampler.generate(rows(prompts, seeds=[11, 22, 33]), params)
+    alone = sampler.generate(rows(prompts[1:2], seeds=[22]), params)
+    reordered = sampler.generate(rows([prompts[2], prompts[1], prompts[1]], seeds=[33, 22, 44]), params)
     assert alone[0].token_ids == batch[1].token_ids == reordered[1].token_ids
     assert reordered[0].token_ids == batch[2].token_ids
     assert alone[0].logprobs == pytest.approx(batch[1].logprobs, abs=1e-4)
@@ -204,15 +206,15 @@ def test_same_seed_same_tokens_whatever_the_batch(sampler, prompts):
 
 def test_keys_are_only_a_hint(sampler, prompts):
     params = SamplingParams(temperature=1.0, max_new_tokens=5)
-    plain = sampler.generate(prompts, params, seeds=[1, 2, 3])
-    keyed = sampler.generate(prompts, params, seeds=[1, 2, 3], keys=["a", "b", "c"])
+    plain = sampler.generate(rows(prompts, seeds=[1, 2, 3]), params)
+    keyed = sampler.generate(rows(prompts, seeds=[1, 2, 3], keys=["a", "b", "c"]), params)
     assert [c.token_ids for c in keyed] == [c.token_ids for c in plain]
 
 
 def test_greedy_is_deterministic(sampler, prompts):
     params = SamplingParams(temperature=0, max_new_tokens=6)
-    a = sampler.generate(prompts, params)
-    b = sampler.generate(prompts[::-1], params, seeds=[7, 8, 9])  # seeds and batch order do not matter
+    a = sampler.generate(rows(prompts), params)
+    b = sampler.generate(rows(prompts[::-1], seeds=[7, 8, 9]), params)  # seeds and batch order do not matter
     assert [c.token_ids for c in a] == [c.token_ids for c in b[::-1]]
     for p, c in zip(prompts, a):
         check_completion(sampler, p, c, params)
@@ -221,31 +223,45 @@ def test_greedy_is_deterministic(sampler, prompts):
 def test_logprobs_are_the_raw_models(sampler, tiny_model, prompts):
     """temperature and top-p shape sampling, not the reported log-probs (temperature 1, no top-p)."""
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5)
-    for p, c in zip(prompts, sampler.generate(prompts, params, seeds=[4, 5, 6])):
+    for p, c in zip(prompts, sampler.generate(rows(prompts, seeds=[4, 5, 6]), params)):
         with torch.no_grad():
             logp = torch.log_softmax(tiny_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
         assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
 
 
-def test_adapter_version_follows_load_adapter(sampler, prompts, adapters, tmp_path):
+def test_adapter_version_follows_load(sampler, prompts, adapters, tmp_path):
     greedy = SamplingParams(temperature=0, max_new_tokens=4)
-    base = sampler.generate(prompts, greedy)
-    sampler.load_adapter(adapters[0], version=3)
-    v3 = sampler.generate(prompts, greedy)
+    base = sampler.generate(rows(prompts), greedy)
+    sampler.load(WeightsRef(adapters[0], 3))
+    v3 = sampler.generate(rows(prompts), greedy)
     assert [c.adapter_version for c in v3] == [3, 3, 3]
     assert [c.logprobs for c in v3] != [c.logprobs for c in base]  # the adapter is applied
-    sampler.load_adapter(adapters[1], version=4)
-    v4 = sampler.generate(prompts, greedy)
+    sampler.load(WeightsRef(adapters[1], 4))
+    v4 = sampler.generate(rows(prompts), greedy)
     assert [c.adapter_version for c in v4] == [4, 4, 4]
     assert [c.logprobs for c in v4] != [c.logprobs for c in v3]
     with pytest.raises(UserError, match="adapter_config.json"):
-        sampler.load_adapter(str(tmp_path), version=5)
-    assert sampler.generate(prompts[:1], greedy)[0].adapter_version == 4  # a failed load changes nothing
+        sampler.load(WeightsRef(str(tmp_path), 5))
+    assert sampler.generate(rows(prompts[:1]), greedy)[0].adapter_version == 4  # a failed load changes nothing
 
 
-def test_one_seed_per_prompt(sampler, prompts):
-    with pytest.raises(ValueError, match="one seed per prompt"):
-        sampler.generate(prompts, SamplingParams(), seeds=[1])
+def test_bad_requests_are_refused(sampler, prompts):
+    """An empty prompt, and (until issue 48's decoder) a constrained row, are refused; no rows, no completions."""
+    with pytest.raises(ValueError, match="empty prompt"):
+        sampler.generate([GenRequest([])], SamplingParams())
+    with pytest.raises(ValueError, match="constrained decoding is not implemented"):
+        sampler.generate([GenRequest(prompts[0], seed=1, constraint=object())], SamplingParams())
+    assert sampler.generate([], SamplingParams()) == []
+
+
+def test_the_protocol_is_whole(sampler):
+    """Every backend implements every member (callers never ask with hasattr)."""
+    from agentrl.sampling.base import Sampler
+
+    assert isinstance(sampler, Sampler)
+    sampler.release(["never-seen"])
+    sampler.sleep()
+    sampler.close()
 
 
 
@@ -266,7 +282,7 @@ def test_an_adapter_that_changes_nothing_on_the_engine_fails_loudly(tiny_model, 
     _install_fake_vllm(monkeypatch)
     targets = LearnerConfig().target_modules
     honest = VLLMSampler(TransformersEngine(copy.deepcopy(tiny_model), tokenizer), tokenizer, max_lora_rank=8, target_modules=targets)
-    honest.load_adapter(adapters[0], version=1)  # non-zero: checked once, it changes log-probs
+    honest.load(WeightsRef(adapters[0], 1))  # non-zero: checked once, it changes log-probs
     assert honest.effect_checked and honest.adapter_version == 1
 
     sampler = VLLMSampler(IgnoringEngine(copy.deepcopy(tiny_model), tokenizer), tokenizer, max_lora_rank=8, target_modules=targets)
@@ -275,8 +291,8 @@ def test_an_adapter_that_changes_nothing_on_the_engine_fails_loudly(tiny_model, 
     fresh = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     fresh.save_pretrained(tmp_path / "v0")  # lora_B = 0: the base model by design, nothing to check
     assert not adapter_is_nonzero(tmp_path / "v0") and adapter_is_nonzero(__import__("pathlib").Path(adapters[0]))
-    sampler.load_adapter(str(tmp_path / "v0"), version=0)
+    sampler.load(WeightsRef(str(tmp_path / "v0"), 0))
     assert not sampler.effect_checked
     with pytest.raises(UserError, match="log-probs equal the base model's.*not applied.*resumable") as e:
-        sampler.load_adapter(adapters[0], version=1)
+        sampler.load(WeightsRef(adapters[0], 1))
     assert "\n" not in str(e.value)

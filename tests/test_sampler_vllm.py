@@ -26,6 +26,8 @@ from agentrl.errors import UserError
 from agentrl.sampling.base import SamplingParams
 from agentrl.sampling.hf import stop_token_ids
 from agentrl.sampling.vllm import VLLMSampler, engine_lora_rank
+from agentrl.weights import WeightsRef
+from scripted import rows
 
 
 # ------------------------------------------------------------------ the fake vllm module
@@ -183,7 +185,7 @@ def one_line(excinfo) -> str:
 
 
 def test_prompts_go_in_as_token_ids_with_one_seeded_params_per_prompt(sampler, engine, tokenizer, prompts):
-    sampler.generate(prompts, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=7), seeds=[5, 6], keys=["a", "b"])
+    sampler.generate(rows(prompts, seeds=[5, 6], keys=["a", "b"]), SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=7))
     (call,) = engine.calls
     assert all(isinstance(p, FakeTokensPrompt) for p in call["prompts"])
     assert [p["prompt_token_ids"] for p in call["prompts"]] == prompts
@@ -200,25 +202,21 @@ def test_prompts_go_in_as_token_ids_with_one_seeded_params_per_prompt(sampler, e
 
 
 def test_greedy_is_temperature_zero(sampler, engine, prompts):
-    sampler.generate(prompts, SamplingParams(temperature=0, top_p=0.5, max_new_tokens=3))
+    sampler.generate(rows(prompts), SamplingParams(temperature=0, top_p=0.5, max_new_tokens=3))
     for p in engine.calls[0]["sampling_params"]:
         assert p.temperature == 0.0 and p.top_p == 1.0 and p.seed is None
 
 
 def test_bad_arguments(sampler, prompts):
-    with pytest.raises(ValueError, match="one seed per prompt"):
-        sampler.generate(prompts, SamplingParams(), seeds=[1])
-    with pytest.raises(ValueError, match="one key per prompt"):
-        sampler.generate(prompts, SamplingParams(), keys=["a"])
     with pytest.raises(ValueError, match="empty prompt"):
-        sampler.generate([[]], SamplingParams())
-    assert sampler.generate([], SamplingParams()) == []
+        sampler.generate(rows([[]]), SamplingParams())
+    assert sampler.generate(rows([]), SamplingParams()) == []
 
 
 def test_prompt_longer_than_max_model_len_is_a_user_error(engine, tokenizer, prompts):
     sampler = VLLMSampler(engine, tokenizer, max_model_len=len(prompts[1]))
     with pytest.raises(UserError, match="max_model_len") as e:
-        sampler.generate(prompts, SamplingParams())
+        sampler.generate(rows(prompts), SamplingParams())
     one_line(e)
     assert engine.calls == []
 
@@ -235,7 +233,7 @@ def test_outputs_become_completions(sampler, engine, tokenizer, prompts):
                "stop", text="vLLM text is not used"),
         output([11, 12], [{11: Logprob(-1.5)}, {12: Logprob(-2.0), 13: Logprob(-0.1)}], "length"),
     ]
-    out = sampler.generate(prompts, SamplingParams(max_new_tokens=8), seeds=[1, 2])
+    out = sampler.generate(rows(prompts, seeds=[1, 2]), SamplingParams(max_new_tokens=8))
     assert [c.prompt_ids for c in out] == prompts
     assert out[0].token_ids == hello + [im_end]
     assert out[0].logprobs == [-0.25 * (j + 1) for j in range(len(hello) + 1)]
@@ -249,10 +247,10 @@ def test_outputs_become_completions(sampler, engine, tokenizer, prompts):
 def test_unexpected_finish_reason_or_missing_logprobs_fail_loudly(sampler, engine, prompts):
     engine.canned = [output([3], [{3: Logprob(-1.0)}], "abort")]
     with pytest.raises(RuntimeError, match="abort"):
-        sampler.generate(prompts[:1], SamplingParams())
+        sampler.generate(rows(prompts[:1]), SamplingParams())
     engine.canned = [output([3, 4], None, "length")]
     with pytest.raises(RuntimeError, match="log-probs"):
-        sampler.generate(prompts[:1], SamplingParams())
+        sampler.generate(rows(prompts[:1]), SamplingParams())
 
 
 # ------------------------------------------------------------------ adapters
@@ -262,24 +260,24 @@ def test_each_adapter_version_is_a_new_lora(sampler, engine, prompts, tmp_path, 
     v1, v2 = write_adapter(tmp_path / "v1"), write_adapter(tmp_path / "v2", r=16)
     params = SamplingParams(max_new_tokens=2)
     with caplog.at_level(logging.INFO, logger="agentrl.sampling.vllm"):
-        sampler.load_adapter(str(v1), version=1)
+        sampler.load(WeightsRef(str(v1), 1))
     assert sampler.adapter_version == 1 and sampler.swap_s is not None and sampler.swap_s >= 0
     assert any("loaded in" in r.getMessage() and " s" in r.getMessage() for r in caplog.records)
-    out = sampler.generate(prompts, params)
+    out = sampler.generate(rows(prompts), params)
     first = engine.calls[-1]["lora_request"]
     assert (first.lora_name, first.lora_int_id, first.lora_path) == ("v1.1", 1, str(v1.resolve()))  # unique name
     assert engine.added == [first] and engine.removed == []
     assert [c.adapter_version for c in out] == [1, 1]
 
-    sampler.load_adapter(str(v2), version=2)
-    out = sampler.generate(prompts, params)
+    sampler.load(WeightsRef(str(v2), 2))
+    out = sampler.generate(rows(prompts), params)
     second = engine.calls[-1]["lora_request"]
     assert (second.lora_name, second.lora_int_id, second.lora_path) == ("v2.2", 2, str(v2.resolve()))
     assert engine.removed == [1]  # hot-swap: the previous version leaves the engine
     assert engine.prefix_resets == 2  # the prefix cache never serves KV computed with another adapter
     assert [c.adapter_version for c in out] == [2, 2]
 
-    sampler.load_adapter(str(v2), version=2)  # reloading (e.g. on resume) still gets a fresh id
+    sampler.load(WeightsRef(str(v2), 2))  # reloading (e.g. on resume) still gets a fresh id
     assert engine.added[-1].lora_int_id == 3 and engine.removed == [1, 2]
     assert engine.added[-1].lora_name == "v2.3"  # same version, new name: no stale prefix-cache hit
 
@@ -292,7 +290,7 @@ def test_adapter_given_at_construction_is_version_0(engine, tokenizer, tmp_path)
 
 def test_bad_adapters_are_one_line_user_errors(sampler, engine, tmp_path):
     good = write_adapter(tmp_path / "good")
-    sampler.load_adapter(str(good), version=4)
+    sampler.load(WeightsRef(str(good), 4))
     cases = [
         (tmp_path / "missing", "no adapter_config.json"),
         (tmp_path, "no adapter_config.json"),  # exists but is not an adapter
@@ -302,11 +300,11 @@ def test_bad_adapters_are_one_line_user_errors(sampler, engine, tmp_path):
     ]
     for path, pattern in cases:
         with pytest.raises(UserError, match=pattern) as e:
-            sampler.load_adapter(str(path), version=5)
+            sampler.load(WeightsRef(str(path), 5))
         one_line(e)
     engine.fail_add = ValueError("size mismatch for base_model.model.layers.0.q_proj.lora_A\nmore detail")
     with pytest.raises(UserError, match="does not fit the base model: ValueError: size mismatch") as e:
-        sampler.load_adapter(str(write_adapter(tmp_path / "other-base")), version=5)
+        sampler.load(WeightsRef(str(write_adapter(tmp_path / "other-base")), 5))
     one_line(e)
     # a failed swap keeps serving the previous adapter
     assert sampler.adapter_version == 4 and sampler._lora.lora_path == str(good.resolve())
@@ -387,15 +385,15 @@ def test_vllm_config_fields_are_validated():
 def test_an_adapter_the_engine_does_not_list_fails_loudly(sampler, engine, tmp_path):
     """verl #7495: add_lora succeeded, list_loras() stayed empty, the base model was served."""
     good = write_adapter(tmp_path / "good")
-    sampler.load_adapter(str(good), version=1)
+    sampler.load(WeightsRef(str(good), 1))
     engine.register = False
     with pytest.raises(UserError, match=r"did not register adapter .* list_loras\(\).*base model") as e:
-        sampler.load_adapter(str(write_adapter(tmp_path / "lost")), version=2)
+        sampler.load(WeightsRef(str(write_adapter(tmp_path / "lost")), 2))
     one_line(e)
     engine.register = True
     engine.add_lora = lambda request: False
     with pytest.raises(UserError, match="refused adapter"):
-        sampler.load_adapter(str(write_adapter(tmp_path / "refused")), version=2)
+        sampler.load(WeightsRef(str(write_adapter(tmp_path / "refused")), 2))
     assert sampler.adapter_version == 1 and sampler._lora.lora_path == str(good.resolve())  # still serving v1
 
 
@@ -408,10 +406,10 @@ def test_colocated_engine_sleeps_for_the_update_and_wakes_for_the_swap(fake_vllm
     assert engine.sleeping and engine.sleeps == [1]  # level 1: weights to CPU, KV cache dropped
     sampler.sleep()  # twice is once
     assert engine.sleeps == [1]
-    sampler.load_adapter(str(write_adapter(tmp_path / "v1")), version=1)  # the swap wakes it first
+    sampler.load(WeightsRef(str(write_adapter(tmp_path / "v1")), 1))  # the swap wakes it first
     assert not engine.sleeping and sampler.adapter_version == 1
     sampler.sleep()
-    sampler.generate(prompts, SamplingParams(max_new_tokens=2))  # an update with no step: generate wakes it
+    sampler.generate(rows(prompts), SamplingParams(max_new_tokens=2))  # an update with no step: generate wakes it
     assert not engine.sleeping
 
     alone = VLLMSampler.from_config(cfg)  # eval / rollout: the GPU to itself, no sleep mode
@@ -447,9 +445,9 @@ def test_sampler_device_reaches_the_engine(fake_vllm, default_model_dir, monkeyp
 
 def test_prompt_plus_reply_beyond_max_model_len_is_refused(sampler, prompts):
     sampler.max_model_len = len(prompts[1]) + 4
-    sampler.generate(prompts, SamplingParams(max_new_tokens=4))  # fits exactly
+    sampler.generate(rows(prompts), SamplingParams(max_new_tokens=4))  # fits exactly
     with pytest.raises(UserError, match="max_new_tokens 5 does not fit the vLLM engine's max_model_len") as e:
-        sampler.generate(prompts, SamplingParams(max_new_tokens=5))
+        sampler.generate(rows(prompts), SamplingParams(max_new_tokens=5))
     one_line(e)
 
 

@@ -116,9 +116,9 @@ def test_windowed_expert_data_is_what_the_policy_is_shown_token_for_token(tmp_pa
     seen = []
     real = sft_module.ExpertSampler.generate
 
-    def recording(self, prompts, params, seeds=None, keys=None):
-        seen.extend(list(p) for p in prompts)
-        return real(self, prompts, params, seeds, keys)
+    def recording(self, requests, params):
+        seen.extend(list(r.prompt_ids) for r in requests)
+        return real(self, requests, params)
 
     sft_module.ExpertSampler.generate = recording
     try:
@@ -230,8 +230,8 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def generate(self, prompts, params, seeds=None, keys=None):
-        out = self.inner.generate(prompts, params, seeds=seeds, keys=keys)
+    def generate(self, requests, params):
+        out = self.inner.generate(requests, params)
         self.calls += [(self.inner.adapter_version, c) for c in out]
         return out
 

@@ -23,8 +23,8 @@ from agentrl.rollout import SIGNALS, ModelPolicy, Rollout, merge_rollouts, run_l
 from agentrl.sampling import make_sampler
 from agentrl.stats import wilson
 from agentrl.select.cut import CutStage
+from agentrl.sampling.base import GenRequest, SamplingParams
 from agentrl.specs import GateSpec
-from agentrl.sampling.base import SamplingParams
 
 GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated", "step_tokens"]
 
@@ -233,7 +233,7 @@ def _auto_line(a: dict) -> str:
 
 def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: GateSpec, progress=None, envs=None) -> Tier1:
     """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
-    policy.sampler.generate([policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids],
+    policy.sampler.generate([GenRequest(policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids)],
                             SamplingParams(0.0, 1.0, 2))
     baseline = roll_rounds(cfg, games, policy, None, progress, envs, "baseline")
     stage = make_cut_stage(cfg, gate)

@@ -94,7 +94,7 @@ def prepare_eval(cfg: Config, sampler=None):
     """(games, policy): everything that can fail on bad input, before any episode runs."""
     games = find_games(cfg.env.kind, cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
     if cfg.eval.policy == "model" and sampler is None:  # one episode's KV must fit (more are run in slices)
-        from agentrl.sampling.kv import check_kv_fits
+        from agentrl.rollout.plan import check_kv_fits
 
         check_kv_fits(cfg, 1, cfg.eval.max_steps or cfg.env.max_steps, "eval")
     return games, build_policy(cfg, sampler)
@@ -104,12 +104,14 @@ def slice_size(cfg: Config, policy, n_games: int, max_steps: int) -> int | None:
     """Games an evaluation steps together: all (None), or as many as the sampler's KV budget holds
     at once; the rest follow in further slices (greedy episodes do not interact: same results)."""
     sampler = getattr(policy, "sampler", None)
-    fit = getattr(sampler, "rows_that_fit", None)
-    if fit is None or cfg.env.kind != "alfworld":
+    if sampler is None or cfg.env.kind != "alfworld":
         return None
-    from agentrl.sampling.kv import expected_context_tokens
+    from agentrl.rollout.plan import expected_context_tokens
 
-    rows = max(1, fit(expected_context_tokens(cfg, max_steps, sampler.tokenizer)))
+    fit = sampler.rows_that_fit(expected_context_tokens(cfg, max_steps, sampler.tokenizer))
+    if fit is None:  # the backend manages its own KV memory
+        return None
+    rows = max(1, fit)
     return rows if rows < n_games else None
 
 

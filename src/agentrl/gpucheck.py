@@ -29,6 +29,7 @@ from pathlib import Path
 
 from agentrl.config import load_config
 from agentrl.io import read_jsonl
+from agentrl.weights import WeightsRef
 
 
 def _sizes(quick: bool) -> dict:
@@ -120,19 +121,19 @@ def _sync() -> None:
 
 
 def _throughput(sampler, tokenizer, size) -> dict:
-    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.base import GenRequest, SamplingParams
 
     prompt = tokenizer("You are in the middle of a room. Looking quickly around you, you see a cabinet 1.",
                        add_special_tokens=False).input_ids
     params = SamplingParams(temperature=1.0, max_new_tokens=size["new_tokens"])
     stops, sampler.stop_ids = sampler.stop_ids, set()  # every row decodes the full length
     try:
-        sampler.generate([prompt], params, seeds=[0])  # warm-up
+        sampler.generate([GenRequest(prompt, seed=0)], params)  # warm-up
         rows = {}
         for b in size["batches"]:
             _sync()
             t0 = time.perf_counter()
-            out = sampler.generate([prompt] * b, params, seeds=list(range(b)))
+            out = sampler.generate([GenRequest(prompt, seed=i) for i in range(b)], params)
             _sync()
             dt = time.perf_counter() - t0
             rows[str(b)] = round(sum(len(c.token_ids) for c in out) / dt, 1)
@@ -146,7 +147,7 @@ def _lockstep(sampler, tokenizer, size) -> dict:
     each append an observation and decode `new` tokens, `steps` times, with their KV kept."""
     import torch
 
-    from agentrl.sampling.base import SamplingParams
+    from agentrl.sampling.base import GenRequest, SamplingParams
 
     rows, context, new, steps = size["shape"]
     text = ("You arrive at countertop 2. On the countertop 2, you see a butterknife 1, a cellphone 2, a mug 3, "
@@ -164,7 +165,7 @@ def _lockstep(sampler, tokenizer, size) -> dict:
             torch.cuda.reset_peak_memory_stats()
         _sync()
         t0 = time.perf_counter()
-        out = sampler.generate(prompts, params, seeds=keys, keys=keys)  # the first step prefills every context
+        out = sampler.generate([GenRequest(p, seed=k, key=k) for p, k in zip(prompts, keys)], params)  # the first step prefills every context
         _sync()
         first = time.perf_counter() - t0
         times = []
@@ -172,7 +173,7 @@ def _lockstep(sampler, tokenizer, size) -> dict:
             prompts = [p + c.token_ids + obs for p, c in zip(prompts, out)]
             _sync()
             t0 = time.perf_counter()
-            out = sampler.generate(prompts, params, seeds=[step * rows + k for k in keys], keys=keys)
+            out = sampler.generate([GenRequest(p, seed=step * rows + k, key=k) for p, k in zip(prompts, keys)], params)
             _sync()
             times.append(time.perf_counter() - t0)
     finally:
@@ -220,7 +221,7 @@ def _learner(cfg, sampler, size, state, out: Path) -> dict:
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     weights = learner.save(out / "adapters")
-    sampler.load_adapter(weights.path, weights.version)
+    sampler.load(weights)
     _sync()
     swap_s = time.perf_counter() - t0
     state["adapter"] = weights.path
@@ -296,7 +297,7 @@ def _vllm(cfg, tokenizer, size, state) -> dict:
     result = _throughput(sampler, tokenizer, size)
     if "adapter" in state:  # the learner's non-zero adapter: listed by the engine and changing log-probs, or an error
         t0 = time.perf_counter()
-        sampler.load_adapter(str(state["adapter"]), 1)
+        sampler.load(WeightsRef(state["adapter"], 1))
         result["swap_s"] = round(time.perf_counter() - t0, 3)
         result["adapter_served"] = sampler.effect_checked
     return result

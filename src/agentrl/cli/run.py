@@ -96,7 +96,7 @@ def rollout_cmd(
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
     # scipy and torch, not for --help or the light commands (two imports until collect checks the KV budget itself)
     from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
-    from agentrl.sampling.kv import check_kv_fits
+    from agentrl.rollout.plan import check_kv_fits
 
     cfg = load_config(config, overrides(rollout_cmd, locals()))
     the_gate = cfg.rollout.parsed_gate()

@@ -23,7 +23,7 @@ from agentrl.env.data import Game
 from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
 from agentrl.rollout.signals import Trace, command_symbol, signals_at
 from agentrl.rollout.trajectory import Step, Trajectory, window
-from agentrl.sampling.base import Sampler, SamplingParams
+from agentrl.sampling.base import GenRequest, Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ class ModelPolicy:
         traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
-        seeds = [row_seed(self.seed, t.game.game_id, t.index, len(t.steps)) for t in trajs]
-        keys = [(t.game.game_id, t.index) for t in trajs]
-        completions = self.sampler.generate([self.context(t) for t in trajs], self.params, seeds, keys)
+        requests = [GenRequest(self.context(t), seed=row_seed(self.seed, t.game.game_id, t.index, len(t.steps)),
+                               key=(t.game.game_id, t.index)) for t in trajs]
+        completions = self.sampler.generate(requests, self.params)
         if len(completions) != len(trajs):
             raise RuntimeError(f"the sampler returned {len(completions)} completions for {len(trajs)} prompts")
         completions = [self._bounded(c) for c in completions]

@@ -1,8 +1,8 @@
 """Samplers: one protocol, backends hf (transformers + peft, CPU default) and vllm (optional)."""
 
-from agentrl.sampling.base import Completion, Sampler, SamplingParams
+from agentrl.sampling.base import Completion, GenRequest, Sampler, SamplingParams
 
-__all__ = ["Completion", "Sampler", "SamplingParams", "make_sampler"]
+__all__ = ["Completion", "GenRequest", "Sampler", "SamplingParams", "make_sampler"]
 
 
 def make_sampler(cfg, model=None, tokenizer=None, colocated: bool = False) -> Sampler:

@@ -7,8 +7,11 @@ top-p), i.e. what a teacher-forced learner computes, so the two can be compared.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from agentrl.weights import WeightsRef
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,34 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One row of a generate call.
+
+    - `prompt_ids`: the exact token ids to continue (not empty).
+    - `seed`: makes the row reproducible: the same seed, prompt and params give the same tokens
+      whatever else is in the call and in whichever order (None: a fresh random seed).
+    - `key`: names the sequence (trajectory) this prompt continues, so a backend may reuse its KV
+      cache across calls until `release(key)`. A hint: results never depend on it.
+    - `constraint`: what the row may generate (issue 48's admissible-action decoder). None today:
+      a backend refuses a request with one until it implements constraints.
+    """
+
+    prompt_ids: Sequence[int]
+    seed: int | None = None
+    key: Hashable | None = None
+    constraint: object | None = None
+
+
+def check_requests(requests: Sequence[GenRequest]) -> None:
+    """What every backend refuses, with the same errors."""
+    for r in requests:
+        if len(r.prompt_ids) == 0:
+            raise ValueError("empty prompt")
+        if r.constraint is not None:
+            raise ValueError("constrained decoding is not implemented by this sampler (GenRequest.constraint must be None)")
 
 
 @dataclass
@@ -34,19 +65,33 @@ class Completion:
 
 @runtime_checkable
 class Sampler(Protocol):
+    """What the rollout, the loop and the selection stages use of a sampler backend (hf, vllm,
+    Ray replicas). Every backend implements every method; a no-op where it has nothing to do."""
+
     tokenizer: object
     max_model_len: int | None  # longest prompt + completion the sampler serves (None: no limit)
+    adapter_version: int | None  # the `WeightsRef.version` served now (None: the base model, never loaded)
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
-    ) -> list[Completion]:
-        """One completion per prompt (token ids), in order. seeds[i] makes row i reproducible;
-        keys[i] names the sequence (trajectory) prompt i continues, so a backend may reuse its
-        KV cache (a hint: results must not depend on it)."""
+    @property
+    def model(self) -> object | None:
+        """The in-process torch model the sampler runs (hidden states for --select arrol); None where
+        the weights live elsewhere (a vLLM engine, replica actors)."""
         ...
 
-    def load_adapter(self, path: str, version: int | None = None) -> None:
-        """Use the PEFT adapter in `path` from now on; the base model stays loaded."""
+    def generate(self, requests: Sequence[GenRequest], params: SamplingParams) -> list[Completion]:
+        """One completion per request, in order; one `params` for the whole call. Each row's tokens
+        depend only on its own prompt, seed and params (and the weights served), never on the
+        other rows, the batch order or a cached key."""
+        ...
+
+    def load(self, weights: WeightsRef) -> None:
+        """Serve `weights` from the next generate on (an in-place swap: the base model stays loaded);
+        completions are tagged with `weights.version`. A failed load changes nothing."""
+        ...
+
+    def rows_that_fit(self, tokens_per_row: int) -> int | None:
+        """How many sequences of `tokens_per_row` tokens the sampler's KV memory holds at once (an eval
+        steps that many games together); None where the backend manages its own (vLLM, replicas)."""
         ...
 
     def release(self, keys: list) -> None:
@@ -56,5 +101,9 @@ class Sampler(Protocol):
 
     def sleep(self) -> None:
         """Give accelerator memory back while a learner on the same device updates; the next
-        generate or load_adapter takes it again. A no-op where there is nothing to give."""
+        generate or load takes it again. A no-op where there is nothing to give."""
+        ...
+
+    def close(self) -> None:
+        """Free what the sampler holds outside this process (replica actors). A no-op elsewhere."""
         ...

@@ -4,17 +4,18 @@ We decode with our own loop rather than `model.generate` because the contract ne
 seeds (trajectory i of a task samples the same tokens whatever else is in the batch), the raw
 log-prob of every generated token, and KV reuse across the turns of a trajectory.
 
-- Memory: every live trajectory owns a slot of one KV store (`kv.SlotStore`): a turn writes
-  its new tokens after the cached prefix, a finished trajectory's slot is reused at once.
+- Memory: every live trajectory owns a slot of one KV store (`kv.SlotStore`, its tensors a
+  `kv.KVStorage`): a turn writes its new tokens after the cached prefix, a finished
+  trajectory's slot is reused at once.
 - Attention: transformers' own model code with a registered attention function over the slot
   rows (per-row lengths, query heads grouped per KV head).
-- The token loop keeps everything on the device: log-probs gathered there, stop tokens found
-  with `isin`, finished rows stay in the batch (masked) until a sync point (every token on a
-  CPU, where a sync is free; every 8 on a GPU), where they leave it by swapping slots with
-  running rows, so the batch stays in consecutive slots; results come to the host in one transfer.
-- Sampling is batched and reproducible per row: each row draws one uniform per token from a
-  counter-based hash of (its seed, the token's index) and inverts its own CDF, so a row's
-  tokens depend on its seed and its own logits only, never on its neighbours in the batch.
+- The token loop (decode.py: `DecodeState`, `decode_step`, `compact`) keeps everything on the
+  device: log-probs gathered there, stop tokens found with `isin`, finished rows stay in the
+  batch (masked) until a sync point (every token on a CPU, where a sync is free; every 8 on a
+  GPU), where they leave it by swapping slots with running rows, so the batch stays in
+  consecutive slots; results come to the host in one transfer.
+- Sampling is batched and reproducible per row (decode.py: a counter-based uniform per (seed,
+  token index)), so a row's tokens never depend on its neighbours in the batch.
 - The adapter is merged into the sampler's weights (PEFT's merge): an unmerged LoRA on the seven
   projections nearly doubles the ops a forward dispatches (the default model with an r 32
   adapter: 13.2k vs 7.1k aten calls, nested ones included), and dispatch is what bounds the
@@ -30,9 +31,19 @@ from pathlib import Path
 
 import torch
 
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+
 from agentrl.errors import UserError
-from agentrl.sampling.base import Completion, SamplingParams
-from agentrl.sampling.kv import SlotStore, kv_budget_bytes, servable_length, use_slot_attention
+from agentrl.models import quiet_peft
+from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
+from agentrl.sampling.budget import kv_budget_bytes
+from agentrl.sampling.compat import servable_length
+from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
+from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, use_slot_attention
+from agentrl.weights import WeightsRef
+
+__all__ = ["HFSampler", "cache_kwarg", "row_uniforms", "stop_token_ids"]  # row_uniforms: decode.py's, re-exported
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +86,13 @@ class HFSampler:
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
         self._anonymous = 0
         if adapter:
-            self.load_adapter(adapter, version=0)
+            self.load(WeightsRef(adapter, 0))
 
     def sleep(self) -> None:
         """Nothing to give back: the model shares its device with the learner as it is."""
+
+    def close(self) -> None:
+        """Nothing held outside this process."""
 
     @classmethod
     def from_config(cls, cfg, model=None, tokenizer=None, colocated: bool = False) -> "HFSampler":
@@ -97,15 +111,12 @@ class HFSampler:
     def _stop_tensor(self) -> torch.Tensor:
         return torch.tensor(sorted(self.stop_ids), device=self.device)
 
-    def load_adapter(self, path: str, version: int | None = None) -> None:
-        from peft import PeftModel
-
-        from agentrl.models import quiet_peft
-
-        p = Path(path)
+    def load(self, weights: WeightsRef) -> None:
+        """Serve the PEFT adapter `weights` names, merged into the resident base model."""
+        p, version = Path(weights.path), weights.version
         if not (p / "adapter_config.json").is_file():
             raise UserError(f"adapter directory {p} has no adapter_config.json (not a PEFT adapter)")
-        name = f"v{version if version is not None else 0}"
+        name = f"v{version}"
         self._unmerge()
         try:
             if isinstance(self.model, PeftModel):
@@ -129,9 +140,6 @@ class HFSampler:
         self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
 
     def _lora_layers(self) -> list:
-        from peft import PeftModel
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         if not isinstance(self.model, PeftModel):
             return []
         return [(n, m) for n, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
@@ -171,27 +179,23 @@ class HFSampler:
         """The sequences named by `keys` are over: their slots are free for the next ones."""
         self.store.release(list(keys))
 
-    def rows_that_fit(self, tokens_per_row: int) -> int:
+    def rows_that_fit(self, tokens_per_row: int) -> int | None:
         """How many sequences of `tokens_per_row` tokens the KV budget holds at once."""
         return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
 
     @torch.no_grad()
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
-    ) -> list[Completion]:
-        """`keys[i]` names the sequence prompt i continues (e.g. a trajectory): its cached tokens are
-        reused when they are a prefix of the prompt, so a multi-turn step runs only the new
-        observation. A key lives until `release`d, or until it misses two calls in a row (callers
-        that never release; the rollout's two waves take turns)."""
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError("one seed per prompt")
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError("one key per prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
-        if seeds is None:
-            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
-        names = self._names(keys, len(prompts))
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        """The Sampler contract (base.py). `request.key` names the sequence the prompt continues (e.g.
+        a trajectory): its cached tokens are reused when they are a prefix of the prompt, so a
+        multi-turn step runs only the new observation. A key lives until `release`d, or until it
+        misses two calls in a row (callers that never release; the rollout's two waves take turns)."""
+        check_requests(requests)
+        prompts = [list(r.prompt_ids) for r in requests]
+        seeds = [r.seed for r in requests]
+        if any(s is None for s in seeds):  # drawn for every row, as before, so unseeded calls stay as random
+            drawn = torch.randint(0, 2**62, (len(prompts),)).tolist()
+            seeds = [d if s is None else s for s, d in zip(seeds, drawn)]
+        names = self._names([r.key for r in requests])
         self.store.calls += 1
         self.store.release([k for k in self.store.stale() if k not in set(names)])
         out: list[Completion] = []
@@ -204,11 +208,10 @@ class HFSampler:
             self.store.release([n for n in names if isinstance(n, _Anonymous)])
         return out
 
-    def _names(self, keys, n: int) -> list:
+    def _names(self, keys: list) -> list:
         """Each row's key in the store; rows without one (or a repeated one) get a key of their own for this call."""
         names, seen = [], set()
-        for i in range(n):
-            k = None if keys is None else keys[i]
+        for k in keys:
             if k is None or k in seen:
                 self._anonymous += 1
                 k = _Anonymous(self._anonymous)
@@ -219,93 +222,56 @@ class HFSampler:
     # ------------------------------------------------------------------ one batch
 
     def _generate_batch(self, prompts, params: SamplingParams, seeds, names) -> list[Completion]:
-        n, device, store = len(prompts), self.device, self.store
+        store = self.store
         cached = [store.reusable(k, p) for k, p in zip(names, prompts)]
         self.reused_tokens += sum(cached)
-        slots = store.place(names, [len(p) + params.max_new_tokens for p in prompts])
+        slots = store.place(names, [len(p) + params.max_new_tokens for p in prompts])  # sized for the whole batch
         for k, c, p in zip(names, cached, prompts):
             store.hold(k, p[:c])
-        logits = self._prefill(prompts, cached, slots)
-        for k, p in zip(names, prompts):
-            store.hold(k, list(p))
+        with store.storage.pin():  # from here to the last token, the KV buffers stay as they are
+            logits = self._prefill(prompts, cached, slots)
+            for k, p in zip(names, prompts):
+                store.hold(k, list(p))
+            state = DecodeState.start(logits, slots, [len(p) for p in prompts], seeds, params.max_new_tokens)
+            self._decode(state, params)
+        return self._completions(state, prompts, names)
 
-        # decode: rows in slot order, so a batch in consecutive slots reads the store as a view
-        order = sorted(range(n), key=lambda i: slots[i])
-        row_slots = [slots[i] for i in order]
-        prompt_len = [len(prompts[i]) for i in order]
-        logits = logits[torch.tensor(order, device=device)]
-        seed_t = torch.tensor([int(seeds[i]) & ((1 << 63) - 1) for i in order], dtype=torch.long, device=device)
-        pos = torch.tensor(prompt_len, dtype=torch.long, device=device)  # position of each row's first new token
-        T = params.max_new_tokens
-        tokens = torch.zeros((n, T), dtype=torch.long, device=device)
-        logps = torch.zeros((n, T), dtype=torch.float32, device=device)
-        length = torch.full((n,), T, dtype=torch.long, device=device)  # tokens up to and including the stop token
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        last = torch.zeros(n, dtype=torch.long, device=device)
-        stop = self._stop_tensor
-        active = list(range(n))  # rows still run through the model, in slot order
-        act = torch.arange(n, device=device)
-        act_slots = torch.tensor(row_slots, device=device)
-        span = _span(row_slots)
-        longest = max(prompt_len)  # the longest active prompt (host side: no sync per token)
+    def _decode(self, state: DecodeState, params: SamplingParams) -> None:
+        """The token loop: a decode step per token, host syncs (and compaction) every `sync_every`."""
+        T, device, stop = params.max_new_tokens, self.device, self._stop_tensor
         every = self.sync_every or (1 if device.type == "cpu" else 8)  # a host sync is free on a CPU
         for t in range(T):
-            raw = torch.log_softmax(logits, dim=-1)
-            chosen = _choose(logits, params, seed_t[act], t)
-            tokens[act, t] = chosen
-            logps[act, t] = raw.gather(1, chosen[:, None]).squeeze(1)
-            newly = torch.isin(chosen, stop) & ~done[act]
-            length[act] = torch.where(newly, t + 1, length[act])
-            done[act] |= newly
-            last[act] = chosen
+            decode_step(state, t, params, stop)
             if t == T - 1:
                 break
             if (t + 1) % every == 0:  # the only host syncs of the loop
-                finished = done.tolist()
-                alive = [r for r in active if not finished[r]]
+                finished = state.done.tolist()
+                alive = [r for r in state.active if not finished[r]]
                 if not alive:
                     break
-                if len(alive) < len(active) and (device.type == "cpu" or len(alive) <= len(active) // 2):
-                    active, span = self._compact(active, alive, row_slots, span, longest + t)
-                    act = torch.tensor(active, device=device)
-                    act_slots = torch.tensor([row_slots[r] for r in active], device=device)
-                    longest = max(prompt_len[r] for r in active)
-            logits = self._forward(last[act][:, None], (pos[act] + t)[:, None], act_slots, span, write_from=None,
-                                   kv_len=longest + t + 1)
-        tokens, logps, length = tokens.cpu(), logps.cpu(), length.cpu()  # one transfer per batch
+                if len(alive) < len(state.active) and (device.type == "cpu" or len(alive) <= len(state.active) // 2):
+                    compact(state, alive, self.store, state.longest + t)
+            state.logits = self._forward(state.last[state.act][:, None], (state.pos[state.act] + t)[:, None],
+                                         state.forward_meta(t))
 
-        out: list[Completion | None] = [None] * n
-        for r, i in enumerate(order):
+    def _completions(self, state: DecodeState, prompts, names) -> list[Completion]:
+        tokens, logps, length = state.tokens.cpu(), state.logps.cpu(), state.length.cpu()  # one transfer per batch
+        out: list[Completion | None] = [None] * len(prompts)
+        for r, i in enumerate(state.order):
             m = int(length[r])
             ids = tokens[r, :m].tolist()
             reason = "stop" if ids[-1] in self.stop_ids else "length"
-            store.hold(names[i], list(prompts[i]) + ids[:-1])  # the last token's keys are not computed yet
+            self.store.hold(names[i], list(prompts[i]) + ids[:-1])  # the last token's keys are not computed yet
             out[i] = Completion(prompt_ids=list(prompts[i]), token_ids=ids, logprobs=logps[r, :m].tolist(),
                                 text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason,
                                 adapter_version=self.adapter_version)
         return out
-
-    def _compact(self, active: list[int], alive: list[int], row_slots: list[int], span: int | None, n: int):
-        """Leave the finished rows out of the decode batch. When the batch sits in consecutive slots,
-        running rows that sit past the first len(alive) slots swap places with finished rows before
-        them (each row's first n positions), so the batch stays consecutive: one copy now instead
-        of a gather at every token."""
-        if span is None:
-            return alive, _span([row_slots[r] for r in alive])
-        edge = span + len(alive)
-        misplaced = [r for r in alive if row_slots[r] >= edge]
-        holes = [r for r in active if r not in set(alive) and row_slots[r] < edge]
-        for r, d in zip(misplaced, holes):
-            self.store.swap(row_slots[r], row_slots[d], n)
-            row_slots[r], row_slots[d] = row_slots[d], row_slots[r]
-        return sorted(alive, key=lambda r: row_slots[r]), span
 
     def _prefill(self, prompts, cached, slots) -> torch.Tensor:
         """Run each row's new tokens (after its cached prefix) through the model into its slot; return
         the last position's logits [n, V]. Rows are batched by new-token length (a bucket pads at most
         a quarter of its real tokens; pads come first and are neither written nor attended), and rows
         that share a fresh prompt (a group's G trajectories at step 1) run it once: the others copy it."""
-        device = self.device
         first: dict[tuple, int] = {}
         for i, (p, c) in enumerate(zip(prompts, cached)):
             if c == 0:
@@ -320,24 +286,7 @@ class HFSampler:
             return len(rows) * new * kv * heads * 4 <= 256 << 20
 
         for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
-            new = [len(prompts[i]) - cached[i] for i in bucket]
-            b, M = len(bucket), max(new)
-            ids = torch.full((b, M), self.pad_id, dtype=torch.long)
-            qpos = torch.zeros((b, M), dtype=torch.long)
-            w_slot, w_pos, w_from = [], [], []
-            for j, (i, m) in enumerate(zip(bucket, new)):
-                c = cached[i]
-                ids[j, M - m:] = torch.tensor(prompts[i][c:])
-                qpos[j, M - m:] = torch.arange(c, c + m)
-                w_slot += [slots[i]] * m
-                w_pos += range(c, c + m)
-                w_from += range(j * M + M - m, j * M + M)
-            self.prefill_tokens += sum(new)
-            self.prefill_pad_tokens += b * M - sum(new)
-            t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-            out = self._forward(ids.to(device), qpos.to(device), t([slots[i] for i in bucket]), _span([slots[i] for i in bucket]),
-                                write=(t(w_slot), t(w_pos)), write_from=None if b * M == len(w_from) else t(w_from),
-                                kv_len=max(len(prompts[i]) for i in bucket))
+            out = self._prefill_bucket(bucket, prompts, cached, slots)
             for j, i in enumerate(bucket):
                 row_logits[i] = out[j]
         for i, r in enumerate(runner):
@@ -345,15 +294,35 @@ class HFSampler:
                 self.store.copy_slot(slots[r], slots[i], len(prompts[i]))
         return torch.stack([row_logits[r] for r in runner])
 
-    def _forward(self, ids, qpos, row_slots, span, write_from, kv_len, write=None) -> torch.Tensor:
-        """One forward of `ids` [b, M] at positions `qpos` over the rows' slots; returns the last position's logits."""
-        if write is None:  # a decode step: each row writes its one token at its position
-            write = (row_slots, qpos[:, 0])
-        keys = torch.arange(kv_len, device=ids.device)
+    def _prefill_bucket(self, bucket: list[int], prompts, cached, slots) -> torch.Tensor:
+        """One forward of a bucket's new tokens, left-padded to its longest; the last position's logits."""
+        device = self.device
+        new = [len(prompts[i]) - cached[i] for i in bucket]
+        b, M = len(bucket), max(new)
+        ids = torch.full((b, M), self.pad_id, dtype=torch.long)
+        qpos = torch.zeros((b, M), dtype=torch.long)
+        w_slot, w_pos, w_from = [], [], []
+        for j, (i, m) in enumerate(zip(bucket, new)):
+            c = cached[i]
+            ids[j, M - m:] = torch.tensor(prompts[i][c:])
+            qpos[j, M - m:] = torch.arange(c, c + m)
+            w_slot += [slots[i]] * m
+            w_pos += range(c, c + m)
+            w_from += range(j * M + M - m, j * M + M)
+        self.prefill_tokens += sum(new)
+        self.prefill_pad_tokens += b * M - sum(new)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        meta = ForwardMeta(slots=t([slots[i] for i in bucket]), span=span_of([slots[i] for i in bucket]),
+                           write_slot=t(w_slot), write_pos=t(w_pos), write_from=None if b * M == len(w_from) else t(w_from),
+                           kv_len=max(len(prompts[i]) for i in bucket))
+        return self._forward(ids.to(device), qpos.to(device), meta)
+
+    def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """One forward of `ids` [b, M] at positions `qpos` over the slots `meta` names; the last position's logits."""
+        keys = torch.arange(meta.kv_len, device=ids.device)
         mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, kv_len]: causal, per-row length
-        self.store.begin(row_slots, span, write[0], write[1], write_from, kv_len)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, use_cache=True, logits_to_keep=1,
-                         **{self.cache_kwarg: self.store})
+                         **{self.cache_kwarg: SlotView(self.store.storage, meta)})
         return out.logits[:, -1].float()
 
 
@@ -364,60 +333,6 @@ class _Anonymous:
 
     def __init__(self, n: int):
         self.n = n
-
-
-def _span(slots: list[int]) -> int | None:
-    """The first slot when `slots` are consecutive and ascending (the store is read as a view), else None."""
-    if slots and all(b == a + 1 for a, b in zip(slots, slots[1:])):
-        return slots[0]
-    return None
-
-
-# ---------------------------------------------------------------- sampling
-
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2^32 for x in [0, 2^32), in int64 without overflow (16-bit halves of c)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return ((x * lo) + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32, C. Wellons): every output bit depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
-    """One uniform in (0, 1) per row, a pure function of (seed, token index t): 48 bits from two hashes
-    (float64). The same on every device and whatever the batch."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(seeds, t) ^ 0x9E3779B9)))
-    a = _mix32(key ^ 0x85EBCA6B) >> 8  # 24 bits
-    b = _mix32(key ^ 0xC2B2AE35) >> 8  # 24 more
-    return ((a * (1 << 24) + b).double() + 0.5) / float(1 << 48)
-
-
-def _choose(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, t: int) -> torch.Tensor:
-    """The next token of every row: argmax (greedy), else inverse-CDF sampling of softmax(logits / T)
-    (top-p: the smallest set of most likely tokens reaching top_p) with the row's own uniform."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
-    order = None
-    if params.top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs > params.top_p, 0.0)
-    cdf = probs.cumsum(-1)
-    u = row_uniforms(seeds, t) * cdf[:, -1]
-    # the first token whose CDF reaches u: never one of zero probability (u > 0, flat steps are skipped)
-    pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=cdf.shape[1] - 1).squeeze(1)
-    return pick if order is None else order.gather(1, pick[:, None]).squeeze(1)
 
 
 def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25) -> list[list[int]]:

@@ -4,7 +4,7 @@ N Ray actors, each one sampler (hf or vLLM) on its own GPU (on CPU without one).
 step's batch is split by group: all rows of a task go to the same replica (so its prefix cache
 is reused), tasks are spread round-robin as they first appear. Rows carry their own seeds, so
 the samples do not depend on the split: N replicas give the trajectories one sampler gives.
-A hot-swap sends the adapter's bytes through the object store once; every replica writes them
+A hot-swap (`load`) sends the adapter's bytes through the object store once; every replica writes them
 to its own disk, loads them and reports the version it now serves, which must be the new one.
 """
 
@@ -14,7 +14,8 @@ import shutil
 import tempfile
 
 from agentrl.errors import RunError, UserError
-from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.sampling.base import Completion, GenRequest, SamplingParams
+from agentrl.weights import WeightsRef
 
 
 class SamplerReplica:
@@ -31,21 +32,22 @@ class SamplerReplica:
         self.sampler = make_sampler(cfg, colocated=colocated)
         self.adapter_dir: str | None = None
 
-    def generate(self, prompts, params, seeds, keys) -> list[Completion]:
-        return self.sampler.generate(prompts, params, seeds, keys)
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        return self.sampler.generate(requests, params)
 
-    def load_adapter(self, files: dict[str, bytes], version: int | None) -> int | None:
+    def load(self, files: dict[str, bytes], weights: WeightsRef) -> int | None:
+        """Write the adapter's bytes to this node's disk and serve them as `weights.version`."""
         from agentrl.io import write_tree
 
-        path = write_tree(files, tempfile.mkdtemp(prefix=f"agentrl-adapter-v{version}-"))
-        self.sampler.load_adapter(str(path), version)
+        path = write_tree(files, tempfile.mkdtemp(prefix=f"agentrl-adapter-v{weights.version}-"))
+        self.sampler.load(WeightsRef(str(path), weights.version, weights.kind))
         if self.adapter_dir:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
         self.adapter_dir = str(path)
         return self.serving()
 
     def serving(self) -> int | None:
-        return getattr(self.sampler, "adapter_version", None)
+        return self.sampler.adapter_version
 
     def sleep(self) -> None:
         self.sampler.sleep()
@@ -100,16 +102,17 @@ class ReplicatedSampler:
             self._replica_of[task] = len(self._replica_of) % len(self.replicas)
         return self._replica_of[task]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None,
-                 keys: list | None = None) -> list[Completion]:
+    @property
+    def model(self) -> None:
+        """The weights live in the replica actors."""
+        return None
+
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
         share: dict[int, list[int]] = {}
-        for i in range(len(prompts)):
-            share.setdefault(self._replica(keys[i] if keys else None, i), []).append(i)
-        calls = {r: self.replicas[r].generate.remote([prompts[i] for i in rows], params,
-                                                     None if seeds is None else [seeds[i] for i in rows],
-                                                     None if keys is None else [keys[i] for i in rows])
-                 for r, rows in share.items()}
-        out: list[Completion | None] = [None] * len(prompts)
+        for i, req in enumerate(requests):
+            share.setdefault(self._replica(req.key, i), []).append(i)
+        calls = {r: self.replicas[r].generate.remote([requests[i] for i in rows], params) for r, rows in share.items()}
+        out: list[Completion | None] = [None] * len(requests)
         for r, ref in calls.items():
             for i, c in zip(share[r], self._get(ref, "generate")):
                 out[i] = c
@@ -123,22 +126,26 @@ class ReplicatedSampler:
         except ray.exceptions.RayActorError as e:
             raise RunError(f"a sampler replica died during {what}: {str(e).splitlines()[0]}") from None
 
-    def load_adapter(self, path: str, version: int | None = None) -> None:
+    def load(self, weights: WeightsRef) -> None:
         import ray
 
         from agentrl.io import read_tree
 
-        files = ray.put(read_tree(path))
-        served = self._get([r.load_adapter.remote(files, version) for r in self.replicas], "load_adapter")
-        if any(v != version for v in served):
-            raise RunError(f"after the swap to v{version} the sampler replicas serve versions {served}")
-        self.adapter_version = version
+        files = ray.put(read_tree(weights.path))
+        served = self._get([r.load.remote(files, weights) for r in self.replicas], "load")
+        if any(v != weights.version for v in served):
+            raise RunError(f"after the swap to v{weights.version} the sampler replicas serve versions {served}")
+        self.adapter_version = weights.version
 
     def served_versions(self) -> list[int | None]:
         return self._get([r.serving.remote() for r in self.replicas], "serving")
 
     def sleep(self) -> None:
         self._get([r.sleep.remote() for r in self.replicas], "sleep")
+
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        """Each replica holds its own KV memory; the split by task decides the rows each gets."""
+        return None
 
     def release(self, keys) -> None:
         share: dict[int, list] = {}
@@ -147,6 +154,7 @@ class ReplicatedSampler:
         self._get([self.replicas[r].release.remote(ks) for r, ks in share.items()], "release")
 
     def close(self) -> None:
+        """Kill the replica actors (they hold their GPUs until then)."""
         import ray
 
         for r in self.replicas:

@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 from agentrl.errors import UserError
-from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.hf import stop_token_ids
+from agentrl.weights import WeightsRef
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,19 @@ class VLLMSampler:
         self.asleep = False
         self.adapter_version: int | None = None
         self.effect_checked = False  # a non-zero adapter was seen to change log-probs
-        self.swap_s: float | None = None  # seconds the last load_adapter took
+        self.swap_s: float | None = None  # seconds the last load took
         self._lora = None  # the LoRARequest every generate call uses (None: the base model)
         self._next_lora_id = 1  # vLLM LoRA ids must be > 0; every load gets a fresh one
         if adapter:
-            self.load_adapter(adapter, version=0)
+            self.load(WeightsRef(adapter, 0))
+
+    @property
+    def model(self) -> None:
+        """The weights live in the vLLM engine, not in this process's torch model."""
+        return None
+
+    def close(self) -> None:
+        """The engine is freed with the sampler."""
 
     @classmethod
     def from_config(cls, cfg, colocated: bool = False) -> "VLLMSampler":
@@ -157,6 +166,10 @@ class VLLMSampler:
     def release(self, keys) -> None:
         """Nothing to free: vLLM's prefix cache manages its own blocks."""
 
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        """vLLM schedules its own KV blocks."""
+        return None
+
     def sleep(self) -> None:
         """Give the GPU back while a colocated learner updates (level 1: weights to CPU memory, KV
         cache dropped, which a new adapter makes stale anyway). No-op without sleep mode."""
@@ -196,22 +209,21 @@ class VLLMSampler:
                                 f"(learner.target_modules: {', '.join(self.target_modules)})")
         return config
 
-    def load_adapter(self, path: str, version: int | None = None) -> None:
-        """Serve the PEFT LoRA adapter in `path` from now on. The base model stays resident; the
+    def load(self, weights: WeightsRef) -> None:
+        """Serve the PEFT LoRA adapter `weights` names from now on. The base model stays resident; the
         adapter gets a new LoRA name and id, is loaded into the engine now (so a bad adapter fails
         here, and `swap_s` measures the load), is checked to be served, and the previous adapter
         is removed."""
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
-        p = Path(path)
+        p, version = Path(weights.path), weights.version
         self._check_adapter(p)
         self._wake()
         lora_id = self._next_lora_id
         self._next_lora_id += 1
-        v = version if version is not None else 0
         # unique per load: vLLM's prefix cache is keyed by LoRA name and path, not id
-        request = LoRARequest(lora_name=f"v{v}.{lora_id}", lora_int_id=lora_id, lora_path=str(p.resolve()))
+        request = LoRARequest(lora_name=f"v{version}.{lora_id}", lora_int_id=lora_id, lora_path=str(p.resolve()))
         engine = getattr(self.llm, "llm_engine", None)
         add = getattr(engine, "add_lora", None)
         if add is not None:  # otherwise vLLM loads it on the first request that names it
@@ -247,10 +259,10 @@ class VLLMSampler:
         serves the base model (e.g. module names it does not match)."""
         probe = self.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
-        with_adapter = self.generate([probe], params)[0]
+        with_adapter = self.generate([GenRequest(probe)], params)[0]
         lora, self._lora = self._lora, None
         try:
-            base = self.generate([probe], params)[0]
+            base = self.generate([GenRequest(probe)], params)[0]
         finally:
             self._lora = lora
         if with_adapter.token_ids == base.token_ids and with_adapter.logprobs == base.logprobs:
@@ -260,19 +272,13 @@ class VLLMSampler:
 
     # ---------------------------------------------------------------- sampling
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int] | None = None, keys: list | None = None
-    ) -> list[Completion]:
-        """One completion per prompt, in order. `keys` is accepted and ignored: vLLM's automatic
-        prefix caching reuses the KV cache of any shared prefix (within one adapter version)."""
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError("one seed per prompt")
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError("one key per prompt")
-        if not prompts:
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        """The Sampler contract (base.py). Keys are ignored: vLLM's automatic prefix caching reuses the
+        KV cache of any shared prefix (within one adapter version)."""
+        check_requests(requests)
+        if not requests:
             return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
+        prompts = [list(r.prompt_ids) for r in requests]
         if self.max_model_len is not None:
             longest = max(len(p) for p in prompts)
             if longest + params.max_new_tokens > self.max_model_len:  # the rollout ends such episodes first
@@ -285,21 +291,21 @@ class VLLMSampler:
         from vllm.inputs import TokensPrompt
 
         stop = sorted(self.stop_ids)
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        engine_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         sampling = [
             VLLMSamplingParams(
                 temperature=0.0 if params.greedy else params.temperature,
                 top_p=1.0 if params.greedy else params.top_p,
                 max_tokens=params.max_new_tokens,
-                seed=None if seeds is None else int(seeds[i]),
+                seed=None if r.seed is None else int(r.seed),
                 logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=stop,
                 skip_special_tokens=True,
                 detokenize=False,  # we decode with our tokenizer, exactly like the hf backend
             )
-            for i in range(len(prompts))
+            for r in requests
         ]
-        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
+        outputs = self.llm.generate(engine_prompts, sampling, lora_request=self._lora, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         return [self._completion(p, out) for p, out in zip(prompts, outputs)]

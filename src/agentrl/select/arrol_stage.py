@@ -31,7 +31,7 @@ def _hidden_size(model) -> int:
 class ArrolStage:
     """`model`: the policy's causal LM, the one the sampler generates with (a PeftModel works),
     or the sampler itself (anything with a `.model` that is not a torch module): then the model
-    is looked up at each call, so an adapter the sampler loads later (`load_adapter` may wrap
+    is looked up at each call, so an adapter the sampler loads later (`load` may wrap
     the model in a PeftModel) is the one whose hidden states are read.
 
     `begin(iteration)` takes the training loop's iteration number (counted from 1): the cold
@@ -53,7 +53,7 @@ class ArrolStage:
     @property
     def model(self):
         src = self._source
-        return src if isinstance(src, torch.nn.Module) or not hasattr(src, "model") else src.model
+        return src if isinstance(src, torch.nn.Module) else src.model
 
     def begin(self, iteration: int) -> None:
         self.iteration, self._recorded = iteration, {}

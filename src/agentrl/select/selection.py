@@ -40,7 +40,7 @@ def build_stage(name: str, cfg, sampler=None):
     if name == "arrol":
         from agentrl.select.arrol_stage import ArrolStage
 
-        if not hasattr(sampler, "model"):
+        if sampler is None or sampler.model is None:
             raise UserError("--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)")
         a = s.arrol
         return ArrolStage(sampler, K=a.K, kappa=a.kappa, cold_start=a.cold_start, seed=cfg.seed,

@@ -8,7 +8,7 @@
         batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut, audited and
                                                           # env-failed groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
-        sampler.load_adapter(learner.save())              # swap: the sampler uses the new version
+        sampler.load(learner.save())                      # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
         selection.observe(rollout.groups)                 # stages learn the outcome (GRESO streaks, ARRoL head)
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
@@ -47,6 +47,7 @@ from agentrl.rollout import ModelPolicy, run_in_slices
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
 from agentrl.sampling.base import SamplingParams
 from agentrl.stats import wilson
+from agentrl.weights import WeightsRef
 from agentrl.train import checkpoint
 from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
 
@@ -255,7 +256,7 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
             envs.shutdown()
         if owned and learner is not None:
             learner.close()
-        if owned_sampler and sampler is not None and hasattr(sampler, "close"):
+        if owned_sampler and sampler is not None:
             sampler.close()  # sampler replicas (Ray actors) hold their GPUs until then
 
 
@@ -273,9 +274,9 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         state, weights = checkpoint.load(last, learner)
         tasks.restore(state.task_rng)
         selection.load_state_dict(state.select)
-        sampler.load_adapter(weights.path, weights.version)
+        sampler.load(weights)
     elif cfg.train.init_adapter:  # warm start (`agentrl sft`): the sampler serves it as version 0
-        sampler.load_adapter(cfg.train.init_adapter, 0)
+        sampler.load(WeightsRef(cfg.train.init_adapter, 0))
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
     E, row = cfg.train.eval_every, {}
     eval_steps = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
@@ -310,8 +311,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         t2 = time.perf_counter()
         if stats.stepped:                                                                         # swap
             hooks.phase("swap")
-            weights = learner.save(run / "adapters")
-            sampler.load_adapter(weights.path, weights.version)
+            sampler.load(learner.save(run / "adapters"))
             prune_adapters(run / "adapters", cfg.train.keep_adapters)
         t3 = time.perf_counter()
         state.bad_updates = state.bad_updates + 1 if stats.skipped else 0

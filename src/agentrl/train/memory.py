@@ -49,7 +49,7 @@ class LearnerMemory:
 
 def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing: bool) -> int:
     """Activations one token keeps for backward across the model (the module docstring's count)."""
-    from agentrl.sampling.kv import kv_shape, text_config
+    from agentrl.sampling.compat import kv_shape, text_config
 
     c = text_config(config)
     layers, kv_heads, head_dim = kv_shape(config)
@@ -61,7 +61,7 @@ def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing:
 
 def lora_params(config, r: int, target_modules) -> int:
     """Trainable parameters of a LoRA of rank r on these modules of a Llama-style decoder."""
-    from agentrl.sampling.kv import kv_shape, text_config
+    from agentrl.sampling.compat import kv_shape, text_config
 
     c = text_config(config)
     layers, kv_heads, head_dim = kv_shape(config)
@@ -85,7 +85,8 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
     from transformers import AutoConfig
 
     from agentrl.models import load_tokenizer, pick_device, pick_dtype, resolve_model
-    from agentrl.sampling.kv import expected_context_tokens, kv_bytes_per_token
+    from agentrl.rollout.plan import expected_context_tokens
+    from agentrl.sampling.compat import kv_bytes_per_token
 
     path = resolve_model(cfg.model.name)
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
@@ -118,7 +119,7 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     import torch
 
     from agentrl.models import pick_device
-    from agentrl.sampling.kv import available_memory_bytes
+    from agentrl.sampling.budget import available_memory_bytes
 
     device = cfg.learner.device or pick_device(cfg.model.device)
     if cfg.env.kind != "alfworld":  # the expected episode length is ALFWorld's (as the KV check's)

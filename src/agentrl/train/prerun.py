@@ -12,7 +12,7 @@ from agentrl import cluster
 from agentrl.config import Config, load_config
 from agentrl.errors import UserError
 from agentrl.models import check_lora_adapter, resolve_model
-from agentrl.sampling.kv import check_kv_fits
+from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.replicas import check_replicas
 from agentrl.specs import GateSpec
 from agentrl.train.loop import TaskSampler, prepare_run

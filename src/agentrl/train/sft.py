@@ -62,9 +62,11 @@ class ExpertSampler:
         self.adapter_version = None
         self._steps: dict = {}
 
-    def generate(self, prompts, params: SamplingParams, seeds=None, keys=None) -> list[Completion]:
+    model = None  # no torch model: the replies are read from the walkthroughs
+
+    def generate(self, requests, params: SamplingParams) -> list[Completion]:
         out = []
-        for prompt, key in zip(prompts, keys):
+        for prompt, key in ((r.prompt_ids, r.key) for r in requests):
             step = self._steps.get(key, 0)
             self._steps[key] = step + 1
             walkthrough = self.walkthroughs[key] if key in self.walkthroughs else self.walkthroughs[key[0]]
@@ -76,8 +78,17 @@ class ExpertSampler:
             out.append(Completion(list(prompt), ids, [0.0] * len(ids), text, "stop" if self.end_of_turn else "length"))
         return out
 
-    def load_adapter(self, path, version=None) -> None:  # pragma: no cover - the protocol's; never called
+    def load(self, weights) -> None:  # pragma: no cover - the protocol's; never called
         raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Nothing to give back."""
+
+    def rows_that_fit(self, tokens_per_row: int) -> None:
+        return None  # no KV cache
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def release(self, keys) -> None:
         """Nothing kept per trajectory: the replies are read from the walkthroughs."""
