@@ -128,12 +128,12 @@ def test_an_eval_run_in_slices_equals_one_run(games):
 
 def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     from agentrl.config import load_config
-    from agentrl.evaluate import build_policy, slice_size
+    from agentrl.rollout.generator import Generator
     from agentrl.sampling.hf import HFSampler
     from agentrl.sampling.kv import expected_context_tokens, kv_bytes_per_token
 
-    cfg = load_config(None)
+    cfg = load_config(None, {"env.workers": 0})
     per_row = expected_context_tokens(cfg, 30, tokenizer) * kv_bytes_per_token(tiny_model.config, torch.float32)
-    policy = build_policy(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
-    assert slice_size(cfg, policy, 140, 30) == 10 and slice_size(cfg, policy, 8, 30) is None
-    assert slice_size(cfg, WalkthroughPolicy(), 140, 30) is None
+    generator = Generator(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
+    assert generator.slice_size(140, 30) == 10 and generator.slice_size(8, 30) is None
+    assert Generator(cfg, walkthrough=True).slice_size(140, 30) is None
