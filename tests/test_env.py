@@ -113,12 +113,14 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
 def test_an_eval_run_in_slices_equals_one_run(games):
     """Evaluations larger than the sampler's KV budget run in slices of games, one after another:
     the episodes (which do not interact) and the summed statistics are those of one run."""
-    from agentrl.rollout import run_in_slices
+    from agentrl.env.pool import LocalEnvs
+    from agentrl.rollout import LockstepConfig, Progress, run_in_slices
 
     chosen = [games[t] for t in ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep")]
     whole = run_lockstep(chosen, WalkthroughPolicy(), max_steps=30)
     resets = []
-    sliced = run_in_slices(chosen, 2, policy=WalkthroughPolicy(), max_steps=30, on_reset=lambda k, n: resets.append((k, n)))
+    sliced = run_in_slices(chosen, 2, WalkthroughPolicy(), LockstepConfig(30), LocalEnvs(AlfworldEnv),
+                           Progress(on_reset=lambda k, n: resets.append((k, n))))
     assert [t.game.game_id for t in sliced.trajectories] == [g.game_id for g in chosen]
     assert [(t.won, [s.command for s in t.steps]) for t in sliced.trajectories] == \
            [(t.won, [s.command for s in t.steps]) for t in whole.trajectories]

@@ -32,7 +32,9 @@ from functools import cached_property
 from agentrl.config import Config
 from agentrl.env import env_factory, open_envs, prompt_options
 from agentrl.env.data import Game
-from agentrl.rollout.lockstep import ModelPolicy, Rollout, RolloutStats, WalkthroughPolicy, run_in_slices, run_lockstep
+from agentrl.env.pool import LocalEnvs
+from agentrl.rollout.lockstep import (LockstepConfig, ModelPolicy, Progress, Rollout, RolloutStats, WalkthroughPolicy,
+                                      lockstep, run_in_slices)
 from agentrl.rollout.trajectory import Trajectory, behaviour_metrics, played, played_or_stop
 from agentrl.sampling import make_sampler
 from agentrl.sampling.base import Sampler, SamplingParams
@@ -106,7 +108,9 @@ class Generator:
 
     def __init__(self, cfg: Config, sampler: Sampler | None = None, *, walkthrough: bool = False, colocated: bool = False):
         self.cfg, self.walkthrough = cfg, walkthrough
-        self.envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
+        # env worker processes (they start while the model loads), or the envs in this process
+        pool = open_envs(cfg)
+        self.envs = pool if pool is not None else LocalEnvs(env_factory(cfg.env.kind))
         self._owns_sampler = sampler is None and not walkthrough
         try:
             self.sampler = sampler if sampler is not None or walkthrough else make_sampler(cfg, colocated=colocated)
@@ -134,12 +138,10 @@ class Generator:
         rollout T_max; `stages` (the gate, ARRoL) act right after their step K. `seed`: the
         sampling seed (default the run seed); `first_index` > 0 adds trajectories to a group."""
         cfg, t_max = self.cfg, self.cfg.t_max("rollout")
-        return run_lockstep(
-            tasks, self.policy(cfg.seed if seed is None else seed), t_max, cfg.env.fuzzy_threshold,
-            group_size=group_size or cfg.rollout.group_size, first_index=first_index,
-            signal_steps=tuple(k for k in cfg.rollout.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-            make_env=env_factory(cfg.env.kind), envs=self.envs, stages=list(stages),
-        )
+        run = LockstepConfig(t_max, cfg.env.fuzzy_threshold, group_size or cfg.rollout.group_size,
+                             tuple(k for k in cfg.rollout.signal_steps if k <= t_max), first_index)
+        policy = self.policy(cfg.seed if seed is None else seed)
+        return lockstep(tasks, policy, run, self.envs, stages, Progress(on_step, on_reset))
 
     def roller(self, seed: int, on_step=None) -> RollFn:
         """`generate` as the selection stages call it: (games, group_size, first_index, stages)."""
@@ -159,9 +161,8 @@ class Generator:
         policy = self.policy(self.cfg.seed, greedy=not samples)
         per_game = max(1, samples)
         size = self.slice_size(len(games) * per_game, max_steps)
-        rollout = run_in_slices(games, size and max(1, size // per_game), policy=policy, max_steps=max_steps,
-                                fuzzy_threshold=self.cfg.env.fuzzy_threshold, on_step=on_step, on_reset=on_reset,
-                                make_env=env_factory(self.cfg.env.kind), envs=self.envs, group_size=per_game)
+        run = LockstepConfig(max_steps, self.cfg.env.fuzzy_threshold, per_game)
+        rollout = run_in_slices(games, size and max(1, size // per_game), policy, run, self.envs, Progress(on_step, on_reset))
         played_or_stop(rollout.trajectories, f"{what}, nothing was evaluated")
         return EvalResult(split, max_steps, rollout.trajectories, rollout.stats, samples, self.cfg.seed,
                           time.perf_counter() - t0)
