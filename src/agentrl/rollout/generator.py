@@ -36,7 +36,7 @@ from agentrl.env.pool import LocalEnvs
 from agentrl.rollout.lockstep import (LockstepConfig, ModelPolicy, Progress, Rollout, RolloutStats, WalkthroughPolicy,
                                       lockstep, run_in_slices)
 from agentrl.rollout.trajectory import Trajectory, behaviour_metrics, played, played_or_stop
-from agentrl.sampling import make_sampler
+from agentrl import sampling  # sampling.make_sampler looked up at call time: tests script the sampler there
 from agentrl.sampling.base import Sampler, SamplingParams
 from agentrl.sampling.kv import expected_context_tokens
 from agentrl.stats import bootstrap_mean, wilson
@@ -113,7 +113,7 @@ class Generator:
         self.envs = pool if pool is not None else LocalEnvs(env_factory(cfg.env.kind))
         self._owns_sampler = sampler is None and not walkthrough
         try:
-            self.sampler = sampler if sampler is not None or walkthrough else make_sampler(cfg, colocated=colocated)
+            self.sampler = sampler if sampler is not None or walkthrough else sampling.make_sampler(cfg, colocated=colocated)
         except BaseException:
             self.close()
             raise
