@@ -12,6 +12,6 @@ from scripted import wrap_make_sampler  # noqa: E402
 
 wrap_make_sampler(tuple(os.environ.get("AGENTRL_SCRIPTED_MODES", "split").split(",")))
 
-from agentrl.cli import main  # noqa: E402  (after the wrap: collect.py binds make_sampler at import)
+from agentrl.cli import main  # noqa: E402  (after the wrap)
 
 main()

@@ -113,12 +113,14 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
 def test_an_eval_run_in_slices_equals_one_run(games):
     """Evaluations larger than the sampler's KV budget run in slices of games, one after another:
     the episodes (which do not interact) and the summed statistics are those of one run."""
-    from agentrl.rollout import run_in_slices
+    from agentrl.env.pool import LocalEnvs
+    from agentrl.rollout import LockstepConfig, Progress, run_in_slices
 
     chosen = [games[t] for t in ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep")]
     whole = run_lockstep(chosen, WalkthroughPolicy(), max_steps=30)
     resets = []
-    sliced = run_in_slices(chosen, 2, policy=WalkthroughPolicy(), max_steps=30, on_reset=lambda k, n: resets.append((k, n)))
+    sliced = run_in_slices(chosen, 2, WalkthroughPolicy(), LockstepConfig(30), LocalEnvs(AlfworldEnv),
+                           Progress(on_reset=lambda k, n: resets.append((k, n))))
     assert [t.game.game_id for t in sliced.trajectories] == [g.game_id for g in chosen]
     assert [(t.won, [s.command for s in t.steps]) for t in sliced.trajectories] == \
            [(t.won, [s.command for s in t.steps]) for t in whole.trajectories]
@@ -128,13 +130,13 @@ def test_an_eval_run_in_slices_equals_one_run(games):
 
 def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     from agentrl.config import load_config
-    from agentrl.evaluate import build_policy, slice_size
+    from agentrl.rollout.generator import Generator
     from agentrl.sampling.hf import HFSampler
     from agentrl.rollout.plan import expected_context_tokens
     from agentrl.sampling.compat import kv_bytes_per_token
 
-    cfg = load_config(None)
+    cfg = load_config(None, {"env.workers": 0})
     per_row = expected_context_tokens(cfg, 30, tokenizer) * kv_bytes_per_token(tiny_model.config, torch.float32)
-    policy = build_policy(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
-    assert slice_size(cfg, policy, 140, 30) == 10 and slice_size(cfg, policy, 8, 30) is None
-    assert slice_size(cfg, WalkthroughPolicy(), 140, 30) is None
+    generator = Generator(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
+    assert generator.slice_size(140, 30) == 10 and generator.slice_size(8, 30) is None
+    assert Generator(cfg, walkthrough=True).slice_size(140, 30) is None

@@ -23,12 +23,13 @@ def broken_game(tmp_path, good):
 
 def test_eval_leaves_games_the_env_could_not_run_out_of_success(tmp_path, games):
     from agentrl.config import load_config
-    from agentrl.evaluate import run_eval
+    from agentrl.evaluate import run_eval, summary
+    from agentrl.rollout.generator import Generator
     from agentrl.stats import wilson
 
     good, bad = games["look_at_obj_in_light"], broken_game(tmp_path, games["look_at_obj_in_light"])
     cfg = load_config(None, {"eval.policy": "walkthrough", "env.workers": 0})
-    s = run_eval(cfg, tmp_path / "e", [bad, good], WalkthroughPolicy()).summary
+    s = summary(run_eval(cfg, tmp_path / "e", [bad, good], Generator(cfg, walkthrough=True)), cfg)
     # before: 1 won of 2 episodes = 50%, the broken file counted as a lost game
     assert s["overall"]["episodes"] == 1 and s["overall"]["won"] == 1 and s["overall"]["success_rate"] == 1.0
     assert s["overall"]["env_errors"] == 1 and s["overall"]["ci95"] == pytest.approx(list(wilson(1, 1)))
@@ -40,7 +41,7 @@ def test_eval_leaves_games_the_env_could_not_run_out_of_success(tmp_path, games)
     assert outcomes == {f"valid_seen/{good.game_id}": 1.0}
 
     with pytest.raises(RunError, match=r"the env failed on all 1 episodes, nothing was evaluated \(first: cannot load game .*ParseError"):
-        run_eval(cfg, tmp_path / "f", [bad], WalkthroughPolicy())
+        run_eval(cfg, tmp_path / "f", [bad], Generator(cfg, walkthrough=True))
     assert not (tmp_path / "f" / "summary.json").exists()  # no 0% summary of an eval that never ran
 
 
@@ -72,13 +73,14 @@ def test_an_in_training_eval_on_which_every_env_failed_stops_the_run(tmp_path, g
     """The eval of `agentrl train` (iteration 0 runs before any rollout): a real tiny model behind
     the hf sampler; the broken game fails at reset, before anything is generated."""
     from agentrl.config import load_config
+    from agentrl.rollout.generator import Generator
     from agentrl.sampling.hf import HFSampler
     from agentrl.train.loop import evaluate
 
     bad = broken_game(tmp_path, games["look_at_obj_in_light"])
     cfg = load_config(None, {"env.workers": 0, "train.eval_max_steps": 2})
-    sampler = HFSampler(tiny_model, tokenizer)
+    generator = Generator(cfg, HFSampler(tiny_model, tokenizer))
     with pytest.raises(RunError, match="the env failed on all 1 held-out episodes of iteration 0, nothing was evaluated"):
-        evaluate(cfg, sampler, [bad], 0, 0)
-    row = evaluate(cfg, sampler, [bad, games["pick_and_place_simple"]], 1, 0)
+        evaluate(cfg, generator, [bad], 0, 0)
+    row = evaluate(cfg, generator, [bad, games["pick_and_place_simple"]], 1, 0)
     assert row["tasks"] == 1 and row["env_errors"] == 1 and list(row["outcomes"]) == [games["pick_and_place_simple"].game_id]

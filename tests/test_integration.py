@@ -51,10 +51,10 @@ def test_model_policy_runs_and_writes_results(tmp_path, default_model_dir, data_
 def test_model_policy_tokens_are_exact(default_model_dir, data_root):
     """The trajectory's ids decode to the chat so far; the mask covers exactly the generated ids."""
     from agentrl.config import load_config
-    from agentrl.evaluate import build_policy
+    from agentrl.rollout.generator import Generator
 
-    cfg = load_config(None, {"sampling.max_new_tokens": 32})
-    policy = build_policy(cfg)
+    cfg = load_config(None, {"sampling.max_new_tokens": 32, "env.workers": 0})
+    policy = Generator(cfg).policy(cfg.seed, greedy=True)
     game = discover_games("valid_seen", data_root, ["pick_and_place_simple"], limit=1)[0]
     rollout = run_lockstep([game], policy, max_steps=2)
     (traj,) = rollout.trajectories

@@ -158,12 +158,12 @@ def test_eval_with_samples_runs_n_episodes_per_game_and_bootstraps_over_games(tm
     game, sampled (not greedy), the interval a bootstrap over games; the compare command reads
     the shares won per game."""
     from agentrl.config import load_config
-    from agentrl.evaluate import run_eval
+    from agentrl.evaluate import run_eval, summary
 
     cfg = load_config(None, {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 1,
                              "rollout.gate": "off", "eval.limit": 4, "eval.samples": 3, "sampling.temperature": 1.0, "sampling.max_new_tokens": 16})
     result = run_eval(cfg, tmp_path / "e")
-    s = result.summary
+    s = summary(result, cfg)
     assert s["samples"] == 3 and s["temperature"] == 1.0
     assert s["overall"]["episodes"] == 12 and s["overall"]["games"] == 4
     assert sorted({t.index for t in result.trajectories}) == [0, 1, 2]

@@ -16,36 +16,45 @@ import numpy as np
 from scipy import stats as sps
 
 from agentrl.config import Config
-from agentrl.env import env_factory, find_games, prompt_options
+from agentrl.env import find_games
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
-from agentrl.rollout import SIGNALS, ModelPolicy, Rollout, merge_rollouts, run_lockstep
-from agentrl.sampling import make_sampler
-from agentrl.stats import wilson
-from agentrl.select.cut import CutStage
+from agentrl.rollout import SIGNALS, Rollout, merge_rollouts
+from agentrl.rollout.generator import Generator
+from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.base import GenRequest, SamplingParams
+from agentrl.select.cut import CutStage
 from agentrl.specs import GateSpec
+from agentrl.stats import wilson
 
 GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated", "step_tokens"]
 
 
-def make_policy(cfg: Config, sampler=None) -> ModelPolicy:
-    params = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens)
-    return ModelPolicy(sampler or make_sampler(cfg), params, seed=cfg.seed, **prompt_options(cfg))
+def prepare_rollout(cfg: Config) -> tuple[list, Generator]:
+    """(games, generator): everything that can fail on bad input, before any episode runs."""
+    games = load_games(cfg)
+    check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.t_max("rollout"), "rollout")
+    return games, Generator(cfg)
 
 
-def roll(cfg: Config, games, policy: ModelPolicy, on_step=None, on_reset=None, envs=None,
-         stages=(), group_size: int | None = None, first_index: int = 0) -> Rollout:
-    r = cfg.rollout
-    t_max = r.max_steps or cfg.env.max_steps
-    return run_lockstep(
-        games, policy, t_max, cfg.env.fuzzy_threshold, group_size=group_size or r.group_size, first_index=first_index,
-        signal_steps=tuple(k for k in r.signal_steps if k <= t_max), on_step=on_step, on_reset=on_reset,
-        make_env=env_factory(cfg.env.kind), envs=envs, stages=list(stages),
-    )
+def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: bool = False, progress=None):
+    """`agentrl rollout`: the gated rollout (or, with `tier1_ab`, the Tier 1 A/B) written into
+    `out`; returns the Rollout (or the Tier1). The generator is closed when done."""
+    gate = cfg.rollout.parsed_gate()
+    with generator:
+        if not tier1_ab:
+            rollout = roll_rounds(cfg, games, generator, make_cut_stage(cfg, gate), progress)
+            write_rollout(rollout, out, cfg.rollout.signal_steps)
+            return rollout
+        result = run_tier1(cfg, games, generator, gate, progress)
+    for name, r in (("baseline", result.baseline), ("gated", result.gated)):
+        write_rollout(r, out / name, cfg.rollout.signal_steps)
+    atomic_write_json(out / "tier1.json", result.report)
+    atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
+    return result
 
 
-def roll_rounds(cfg: Config, games, policy: ModelPolicy, stage: CutStage | None, progress=None, envs=None,
+def roll_rounds(cfg: Config, games, generator: Generator, stage: CutStage | None, progress=None,
                 name: str = "rollout") -> Rollout:
     """`agentrl rollout`: the tasks in `rollout.rounds` consecutive lockstep rounds (at most
     ceil(B / rounds) tasks each), merged. The gate stage (`make_cut_stage`) lives across the
@@ -57,8 +66,9 @@ def roll_rounds(cfg: Config, games, policy: ModelPolicy, stage: CutStage | None,
         label = name if n == 1 else f"{name} {r}/{n}"
         if stage is not None:
             stage.begin(r)
-        part = roll(cfg, games[start:start + size], policy, *(progress(label) if progress else (None, None)),
-                    envs=envs, stages=[stage] if stage is not None else [])
+        on_step, on_reset = progress(label) if progress else (None, None)
+        part = generator.generate(games[start:start + size], stages=[stage] if stage is not None else [],
+                                  on_step=on_step, on_reset=on_reset)
         if stage is not None:
             stage.observe(part.groups)
         parts.append(part)
@@ -231,13 +241,13 @@ def _auto_line(a: dict) -> str:
             f"{fit}); live precision: {prec}.")
 
 
-def run_tier1(cfg: Config, games, policy: ModelPolicy, gate: GateSpec, progress=None, envs=None) -> Tier1:
+def run_tier1(cfg: Config, games, generator: Generator, gate: GateSpec, progress=None) -> Tier1:
     """Both arms with the same seeds; the warm-up call keeps one-off start-up cost out of both."""
-    policy.sampler.generate([GenRequest(policy.sampler.tokenizer("warm up", add_special_tokens=False).input_ids)],
-                            SamplingParams(0.0, 1.0, 2))
-    baseline = roll_rounds(cfg, games, policy, None, progress, envs, "baseline")
+    sampler = generator.sampler
+    sampler.generate([GenRequest(sampler.tokenizer("warm up", add_special_tokens=False).input_ids)], SamplingParams(0.0, 1.0, 2))
+    baseline = roll_rounds(cfg, games, generator, None, progress, "baseline")
     stage = make_cut_stage(cfg, gate)
-    gated = roll_rounds(cfg, games, policy, stage, progress, envs, "gated")
+    gated = roll_rounds(cfg, games, generator, stage, progress, "gated")
     report = tier1_report(baseline, gated, gate, cfg.seed)
     if (learned := stage.rule.report()) is not None:  # the auto gate: the d_L it ended with, its labels, its audit
         report["auto"] = learned

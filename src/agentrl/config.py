@@ -310,6 +310,20 @@ class Config:
     gate: GateConfig = field(default_factory=GateConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def t_max(self, episodes: str = "rollout") -> int:
+        """T_max, the one rule for how many steps an episode may take. env.max_steps is every
+        episode's default; a more specific setting wins over it when set:
+        "rollout" (`agentrl rollout`, train's rollouts): rollout.max_steps, else env.max_steps;
+        "eval" (`agentrl eval`): eval.max_steps, else env.max_steps;
+        "train_eval" (train's held-out evals): train.eval_max_steps, else the rollouts' T_max."""
+        if episodes == "eval":
+            return self.eval.max_steps or self.env.max_steps
+        if episodes == "train_eval":
+            return self.train.eval_max_steps or self.t_max("rollout")
+        if episodes != "rollout":
+            raise ValueError(f"unknown episodes {episodes!r} (rollout, eval or train_eval)")
+        return self.rollout.max_steps or self.env.max_steps
+
     def validate(self) -> "Config":
         checks = [
             (self.env.max_steps >= 1, f"env.max_steps must be >= 1, got {self.env.max_steps}"),
@@ -426,7 +440,7 @@ class Config:
             if not ok:
                 raise UserError(message)
         gate = r.parsed_gate()
-        t_max = r.max_steps or self.env.max_steps
+        t_max = self.t_max("rollout")
         if gate is not None and gate.K > t_max:
             raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
         from agentrl.specs import check_select

@@ -186,19 +186,12 @@ def _lockstep(sampler, tokenizer, size) -> dict:
 
 
 def _rollout(cfg, sampler, size, state) -> dict:
-    from agentrl.collect import roll
-    from agentrl.env import find_games, open_envs
-    from agentrl.rollout import ModelPolicy
-    from agentrl.sampling.base import SamplingParams
+    from agentrl.env import find_games
+    from agentrl.rollout.generator import Generator
 
     games = find_games("alfworld", "train", cfg.data.root, limit=size["tasks"])
-    envs = open_envs(cfg)
-    try:
-        policy = ModelPolicy(sampler, SamplingParams(0.7, 1.0, cfg.sampling.max_new_tokens), seed=0)
-        rollout = roll(cfg, games, policy, envs=envs, group_size=size["group"])
-    finally:
-        if envs is not None:
-            envs.shutdown()
+    with Generator(cfg, sampler) as generator:  # the env workers, shut down after; the sampler stays ours
+        rollout = generator.generate(games, size["group"], seed=0)
     state["rollout"] = rollout
     s = rollout.stats
     steps = max(len(t.steps) for t in rollout.trajectories)

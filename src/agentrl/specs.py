@@ -120,7 +120,7 @@ def _auto(cfg) -> bool:
 def check_select(cfg) -> None:
     """One-line errors for a bad `select` section (called by Config.validate)."""
     s, names = cfg.select, stage_names(cfg)
-    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    t_max = cfg.t_max("rollout")
     for ok, message in [
         ("cut" not in names or cfg.rollout.parsed_gate() is not None, "--select cut needs a gate (--gate K,d_L)"),
         (0.0 <= s.gate_audit <= 1.0, f"select.gate_audit must be in [0, 1], got {s.gate_audit}"),

@@ -15,7 +15,7 @@ from agentrl.cli.options import (AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, 
 from agentrl.config import SPLITS, load_config
 from agentrl.env import open_envs
 from agentrl.errors import UserError
-from agentrl.evaluate import prepare_eval, run_eval
+from agentrl.evaluate import prepare_eval, run_eval, summary
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.models import resolve_model
 
@@ -47,9 +47,9 @@ def eval_cmd(
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
     cfg = load_config(config, overrides(eval_cmd, locals()))
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
-    max_t = cfg.eval.max_steps or cfg.env.max_steps
+    max_t = cfg.t_max("eval")
     with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
-        games, policy = prepare_eval(cfg)
+        games, generator = prepare_eval(cfg)
     with progress_bar() as bar:
         loading = bar.add_task("loading games", total=None, info="")
         stepping = bar.add_task("steps", total=max_t, info="", visible=False)
@@ -60,9 +60,9 @@ def eval_cmd(
         def on_step(step: int, trajs) -> None:
             bar.update(stepping, completed=step, visible=True, info=step_info(trajs, cut=False))
 
-        result = run_eval(cfg, out, games, policy, on_step=on_step, on_reset=on_reset)
+        result = run_eval(cfg, out, games, generator, on_step=on_step, on_reset=on_reset)
         bar.update(stepping, completed=max_t)
-    print_summary(result.summary)
+    print_summary(summary(result, cfg))
     console.print(f"wrote {out / 'episodes.jsonl'} and {out / 'summary.json'}")
 
 
@@ -94,20 +94,16 @@ def rollout_cmd(
     out: opt(Optional[Path], None, "Output directory (default runs/rollout-<time>).") = None,
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
-    # scipy and torch, not for --help or the light commands (two imports until collect checks the KV budget itself)
-    from agentrl.collect import load_games, make_cut_stage, make_policy, roll_rounds, round_size, run_tier1, tier1_markdown, write_rollout
-    from agentrl.rollout.plan import check_kv_fits
+    from agentrl.collect import prepare_rollout, run_rollout, tier1_markdown  # scipy and torch: not for --help
 
     cfg = load_config(config, overrides(rollout_cmd, locals()))
     the_gate = cfg.rollout.parsed_gate()
     if tier1_ab and the_gate is None:
         raise UserError("--tier1-ab compares no gate with a gate: give --gate K,d_L")
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
-    t_max = cfg.rollout.max_steps or cfg.env.max_steps
+    t_max = cfg.t_max("rollout")
     with err.status("loading model"):
-        games = load_games(cfg)
-        check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, t_max, "rollout")
-        policy = make_policy(cfg)
+        games, generator = prepare_rollout(cfg)
     with progress_bar() as bar:
         def progress(name: str):
             task = bar.add_task(name, total=t_max, info="loading games")
@@ -120,21 +116,7 @@ def rollout_cmd(
 
             return on_step, on_reset
 
-        envs = open_envs(cfg)
-        try:
-            if tier1_ab:
-                result = run_tier1(cfg, games, policy, the_gate, progress, envs)
-                for name, r in (("baseline", result.baseline), ("gated", result.gated)):
-                    write_rollout(r, out / name, cfg.rollout.signal_steps)
-                atomic_write_json(out / "tier1.json", result.report)
-                atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
-            else:
-                stage = make_cut_stage(cfg, the_gate)
-                rollout = roll_rounds(cfg, games, policy, stage, progress, envs)
-                write_rollout(rollout, out, cfg.rollout.signal_steps)
-        finally:
-            if envs is not None:
-                envs.shutdown()
+        result = rollout = run_rollout(cfg, games, generator, out, tier1_ab, progress)
     if tier1_ab:
         console.print(tier1_markdown(result.report))
         console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")

@@ -20,6 +20,7 @@ from agentrl import faults
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
+from agentrl.env.pool import EnvFailure, LocalEnvs
 from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
 from agentrl.rollout.signals import Trace, command_symbol, signals_at
 from agentrl.rollout.trajectory import Step, Trajectory, window
@@ -210,6 +211,26 @@ def group_signals(group: Group, K: int) -> dict[str, float]:
     return signals_at([Trace.of(t) for t in group.trajectories], K)
 
 
+@dataclass(frozen=True)
+class LockstepConfig:
+    """How the runner plays each episode (the Generator builds it from the config)."""
+
+    max_steps: int  # T_max (Config.t_max)
+    fuzzy_threshold: float = 85.0  # rapidfuzz ratio needed to map a reply's action to an admissible command
+    group_size: int = 1  # G trajectories per game
+    signal_steps: tuple[int, ...] = ()  # the K at which every group's signals are recorded
+    first_index: int = 0  # trajectory i of a task samples with its own seeds; > 0 adds trajectories to a group (Pilot-Commit)
+
+
+@dataclass
+class Progress:
+    """Callbacks as the run goes: `on_step(t, trajectories)` once every wave has step t's results,
+    `on_reset(done, total)` as the games load."""
+
+    on_step: Callable[[int, list[Trajectory]], None] | None = None
+    on_reset: Callable[[int, int], None] | None = None
+
+
 def run_lockstep(
     games: list[Game],
     policy,
@@ -224,36 +245,58 @@ def run_lockstep(
     stages=(),
     first_index: int = 0,
 ) -> Rollout:
-    """Roll out `group_size` trajectories per game, all groups in lockstep; gate each group after step K.
+    """`lockstep` in keywords (tests, benchmarks, sft's replay): `envs` an `EnvPool`, or None
+    (`make_env` in this process)."""
+    run = LockstepConfig(max_steps, fuzzy_threshold, group_size, tuple(signal_steps), first_index)
+    return lockstep(games, policy, run, envs if envs is not None else LocalEnvs(make_env), stages, Progress(on_step, on_reset))
 
-    `envs`: where the envs live, an `EnvPool` (worker processes) or None (`make_env` in this
-    process). With a pool (and `overlap`), the groups are split into two waves that take turns:
-    while the sampler generates step t for one wave, the workers reset or step the other, so
-    env work leaves the critical path. Samples do not depend on the batch (per-row seeds), so
-    the waves change timings only. `stats.env_s` is the env time the caller waited for."""
-    from agentrl.env.pool import LocalEnvs
 
-    backend = envs if envs is not None else LocalEnvs(make_env)
-    stages = list(stages)  # step stages (the gate, ARRoL), from the caller: called right after their step K
+def lockstep(games: list[Game], policy, run: LockstepConfig, backend, stages=(), progress: Progress | None = None) -> Rollout:
+    """Roll out `run.group_size` trajectories per game, all groups in lockstep; `stages` (the gate,
+    ARRoL: from the caller) act on each group right after their step K.
+
+    `backend`: where the envs live, `LocalEnvs` (this process) or an `EnvPool` (worker
+    processes); every env this run opened is released when it returns. With a pool (and
+    `overlap`), the groups are split into two waves that take turns: while the sampler
+    generates step t for one wave, the workers reset or step the other, so env work leaves the
+    critical path. Samples do not depend on the batch (per-row seeds), so the waves change
+    timings only. `stats.env_s` is the env time the caller waited for."""
+    progress = progress or Progress()
     stats = RolloutStats()
     wall = time.perf_counter()
-    # trajectory i of a task samples with its own seeds; first_index > 0 adds trajectories to a group (Pilot-Commit)
-    groups = [Group(g, [Trajectory(game=g, index=first_index + i) for i in range(group_size)]) for g in games]
+    G = run.group_size
+    groups = [Group(g, [Trajectory(game=g, index=run.first_index + i) for i in range(G)]) for g in games]
     trajs = [t for grp in groups for t in grp.trajectories]
-    group_of = [grp for grp in groups for _ in grp.trajectories]
     n_waves = 2 if getattr(backend, "overlap", False) and len(groups) > 1 else 1
-    waves = [_Wave(groups[w::n_waves], [k for k in range(len(trajs)) if (k // max(1, group_size)) % n_waves == w])
+    waves = [_Wave(groups[w::n_waves], [k for k in range(len(trajs)) if (k // max(1, G)) % n_waves == w])
              for w in range(n_waves)]
-    live_envs: set[int] = set()
-    ctx = _Context(trajs, group_of, policy, backend, stats, live_envs, fuzzy_threshold, max_steps, stages,
-                   signal_steps, wall)
+    ctx = _Context(trajs, [grp for grp in groups for _ in grp.trajectories], policy, backend, stats, run, list(stages), wall)
 
     # resets: one group per worker per request, all sent at once (progress as they come back)
-    per_call = max(1, getattr(backend, "workers", 1)) * group_size
+    per_call = max(1, getattr(backend, "workers", 1)) * G
     for wave in waves:
         for start in range(0, len(wave.members), per_call):
             ks = wave.members[start:start + per_call]
             wave.inflight.append((backend.submit("reset", [(k, trajs[k].game) for k in ks]), ks))
+    _drive(ctx, waves, progress)
+    for traj in trajs:
+        if traj.stop_reason is None:  # max_steps == 0
+            traj.stop_reason = "max_steps"
+    for grp in groups:  # groups that all finished before some K: signals of their final state
+        for K in run.signal_steps:
+            if K not in grp.signals and not grp.cut:
+                grp.signals[K] = group_signals(grp, K)
+        grp.wall_s = grp.wall_s or time.perf_counter() - wall
+    backend.release(sorted(ctx.live_envs))
+    policy.finish([t for t in trajs if id(t) not in ctx.finished])  # gate cuts, context_full, max_steps 0
+    stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
+    stats.wall_s = time.perf_counter() - wall
+    return Rollout(groups, stats)
+
+
+def _drive(ctx: _Context, waves: list[_Wave], progress: Progress) -> None:
+    """The waves take turns until all are finished: collect what the envs sent back, report each
+    step once every wave has its results, then generate and send the wave's next step."""
     resets_done, reported = 0, 0
     while any(not wave.finished for wave in waves):
         for wave in waves:
@@ -261,52 +304,41 @@ def run_lockstep(
                 continue
             for pending, what in wave.inflight:
                 t0 = time.perf_counter()
-                results = backend.collect(pending)
+                results = ctx.backend.collect(pending)
                 spent = time.perf_counter() - t0
-                stats.env_s += spent
+                ctx.stats.env_s += spent
                 if pending.op == "reset":
                     ctx.apply_resets(what, results, spent / len(what))
                     resets_done += len(what)
-                    if on_reset is not None:
-                        on_reset(resets_done, len(trajs))
+                    if progress.on_reset is not None:
+                        progress.on_reset(resets_done, len(ctx.trajs))
                 else:
                     ctx.apply_steps(wave, what, results, spent)
             wave.inflight = []
             running = [w.applied for w in waves if not w.finished]
             while reported < min(running):  # every wave has the results of this step
                 reported += 1
-                if on_step is not None:
-                    on_step(reported, trajs)
+                if progress.on_step is not None:
+                    progress.on_step(reported, ctx.trajs)
                 faults.point("rollout")
             wave.finished = ctx.next_step(wave)  # generate, then send the step to the envs without waiting
-    for traj in trajs:
-        if traj.stop_reason is None:  # max_steps == 0
-            traj.stop_reason = "max_steps"
-    for grp in groups:  # groups that all finished before some K: signals of their final state
-        for K in signal_steps:
-            if K not in grp.signals and not grp.cut:
-                grp.signals[K] = group_signals(grp, K)
-        grp.wall_s = grp.wall_s or time.perf_counter() - wall
-    backend.release(sorted(live_envs))
-    policy.finish([t for t in trajs if id(t) not in ctx.finished])  # gate cuts, context_full, max_steps 0
-    stats.step_tokens = sum(sum(t.step_tokens) for t in trajs)
-    stats.wall_s = time.perf_counter() - wall
-    return Rollout(groups, stats)
 
 
-def run_in_slices(games: list[Game], slice_size: int | None, on_step=None, on_reset=None, **kwargs) -> Rollout:
-    """`run_lockstep` over consecutive slices of at most `slice_size` games (None: all at once), one
+def run_in_slices(games: list[Game], slice_size: int | None, policy, run: LockstepConfig, backend,
+                  progress: Progress | None = None) -> Rollout:
+    """`lockstep` over consecutive slices of at most `slice_size` games (None: all at once), one
     after another, merged into one Rollout: for evaluations larger than the sampler's KV budget
     holds at once (greedy episodes of different games do not interact, so slicing changes no result).
     `on_step`/`on_reset` see the slice's own step and count, offset by the slices before it."""
+    progress = progress or Progress()
     if not slice_size or slice_size >= len(games):
-        return run_lockstep(games, on_step=on_step, on_reset=on_reset, **kwargs)
+        return lockstep(games, policy, run, backend, (), progress)
     parts, done = [], 0
     for start in range(0, len(games), slice_size):
-        part = games[start:start + slice_size]
+        on_reset = progress.on_reset
         offset = done
-        r = run_lockstep(part, on_step=on_step,
-                         on_reset=(lambda k, n, o=offset: on_reset(o + k, len(games))) if on_reset else None, **kwargs)
+        part = Progress(progress.on_step, (lambda k, n, o=offset: on_reset(o + k, len(games))) if on_reset else None)
+        r = lockstep(games[start:start + slice_size], policy, run, backend, (), part)
         done += len(r.trajectories)
         parts.append(r)
     return merge_rollouts(parts)
@@ -335,22 +367,20 @@ class _Wave:
 
 @dataclass
 class _Context:
+    """One run's state: its trajectories (and the group of each), who acts and where the envs live."""
+
     trajs: list[Trajectory]
     group_of: list[Group]
     policy: object
     backend: object
     stats: RolloutStats
-    live_envs: set[int]
-    fuzzy_threshold: float
-    max_steps: int
-    stages: list
-    signal_steps: tuple[int, ...]
+    run: LockstepConfig
+    stages: list  # step stages (the gate, ARRoL), from the caller: called right after their step K
     wall: float
+    live_envs: set[int] = field(default_factory=set)  # trajectories whose env is open
     finished: set = field(default_factory=set)  # ids of trajectories the policy was told ended
 
     def apply_resets(self, ks: list[int], results: list, spent_each: float) -> None:
-        from agentrl.env.pool import EnvFailure
-
         for k, first in zip(ks, results):
             traj = self.trajs[k]
             if isinstance(first, EnvFailure):
@@ -376,7 +406,7 @@ class _Context:
                 log.warning("%d episode(s) reached the sampler's context (max_model_len minus max_new_tokens = %d "
                             "tokens) and ended; raise sampling.max_model_len or lower env.max_steps", len(full), limit)
                 live = [k for k in live if k not in full]
-        if not live or wave.step >= self.max_steps:
+        if not live or wave.step >= self.run.max_steps:
             return True
         wave.step += 1
         t0 = time.perf_counter()
@@ -389,14 +419,12 @@ class _Context:
         commands = []
         for k, response in zip(live, responses):
             action = parse_action(response)
-            command, score = map_action(action, self.trajs[k].admissible, self.fuzzy_threshold)
+            command, score = map_action(action, self.trajs[k].admissible, self.run.fuzzy_threshold)
             commands.append((k, response, action, command, score))
         wave.inflight = [(self.backend.submit("step", [(k, command) for k, _, _, command, _ in commands]), commands)]
         return False
 
     def apply_steps(self, wave: _Wave, commands: list, results: list, spent: float) -> None:
-        from agentrl.env.pool import EnvFailure
-
         step = wave.step
         for (k, response, action, command, score), result in zip(commands, results):
             traj = self.trajs[k]
@@ -411,7 +439,7 @@ class _Context:
                 traj.stop_reason = "won"
             elif result.done:  # the env ended the episode without a win
                 traj.stop_reason = "lost"
-            elif len(traj.steps) >= self.max_steps:
+            elif len(traj.steps) >= self.run.max_steps:
                 traj.stop_reason = "max_steps"
             else:
                 self.policy.observe(traj, result.observation)
@@ -419,7 +447,7 @@ class _Context:
         for grp in wave.groups:
             if grp.cut:
                 continue
-            if step in self.signal_steps or acting:
+            if step in self.run.signal_steps or acting:
                 grp.signals[step] = group_signals(grp, step)
             for stage in acting:  # the gate may stop the group, ARRoL prune inside it
                 if not grp.cut:

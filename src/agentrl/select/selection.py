@@ -44,7 +44,7 @@ def build_stage(name: str, cfg, sampler=None):
             raise UserError("--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)")
         a = s.arrol
         return ArrolStage(sampler, K=a.K, kappa=a.kappa, cold_start=a.cold_start, seed=cfg.seed,
-                          max_steps=cfg.rollout.max_steps or cfg.env.max_steps, rule=a.rule, balance=a.balance,
+                          max_steps=cfg.t_max("rollout"), rule=a.rule, balance=a.balance,
                           s_min=a.s_min, s_max=a.s_max)
     raise UserError(f"unknown selection stage {name!r}")
 

@@ -8,7 +8,7 @@
         batch   = batch_advantages(groups, advantage)     # advantage: Eq. 1 (GiGPO: per step); cut, audited and
                                                           # env-failed groups never enter
         stats   = learner.update(batch)                   # learn: one action-masked GRPO step
-        sampler.load(learner.save())                      # swap: the sampler uses the new version
+        generator.load(learner.save())                    # swap: the sampler uses the new version
         evaluate(held_out) every E iterations             # eval: greedy, disjoint tasks
         selection.observe(rollout.groups)                 # stages learn the outcome (GRESO streaks, ARRoL head)
         metrics.append(...); checkpoint.save(...)         # then the iteration counts as done
@@ -38,18 +38,16 @@ import numpy as np
 import yaml
 
 from agentrl import faults
-from agentrl.collect import roll
 from agentrl.config import Config, load_config
-from agentrl.env import env_factory, find_games, open_envs, prompt_options
+from agentrl.env import find_games
 from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_text, read_jsonl
-from agentrl.rollout import ModelPolicy, run_in_slices
+from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
-from agentrl.sampling.base import SamplingParams
 from agentrl.stats import wilson
-from agentrl.weights import WeightsRef
 from agentrl.train import checkpoint
 from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
+from agentrl.weights import WeightsRef
 
 log = logging.getLogger(__name__)
 
@@ -165,31 +163,25 @@ class Metrics:
 
 
 # ---------------------------------------------------------------- eval
-def evaluate(cfg: Config, sampler, games, iteration: int, adapter_version: int, on_step=None, envs=None) -> dict:
-    """Greedy episodes on the held-out tasks with the sampler's current adapter."""
-    t0 = time.perf_counter()
-    greedy = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens)
-    policy = ModelPolicy(sampler, greedy, seed=cfg.seed, **prompt_options(cfg))
-    t_max = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
-    from agentrl.evaluate import slice_size
+def evaluate(cfg: Config, generator: Generator, games, iteration: int, adapter_version: int, on_step=None) -> dict:
+    """Greedy episodes on the held-out tasks with the sampler's current weights: their metrics row."""
+    result = generator.evaluate(games, cfg.train.eval_split, cfg.t_max("train_eval"), on_step=on_step,
+                                what=f"held-out episodes of iteration {iteration}")
+    return eval_row(result, iteration, adapter_version)
 
-    rollout = run_in_slices(games, slice_size(cfg, policy, len(games), t_max), policy=policy, max_steps=t_max,
-                            fuzzy_threshold=cfg.env.fuzzy_threshold, on_step=on_step, make_env=env_factory(cfg.env.kind),
-                            envs=envs)
-    ran = played_or_stop(rollout.trajectories, f"held-out episodes of iteration {iteration}, nothing was evaluated")
-    by_type: dict[str, list[bool]] = {}
-    for t in ran:
-        by_type.setdefault(t.game.task_type, []).append(t.won)
-    won = [t.won for t in ran]
+
+def eval_row(result: EvalResult, iteration: int, adapter_version: int) -> dict:
+    """metrics.jsonl's eval row: a projection of the EvalResult (report.py and compare.py read it)."""
+    ran, b = played(result.trajectories), result.overall
     return {
-        "kind": "eval", "iteration": iteration, "split": cfg.train.eval_split, "tasks": len(won),
-        "env_errors": len(rollout.trajectories) - len(ran),
-        "success": float(np.mean(won)) if won else 0.0, "won": int(sum(won)),
-        "ci95": list(wilson(int(sum(won)), len(won)) or (0.0, 0.0)),  # a 6-game eval reads as what it is
+        "kind": "eval", "iteration": iteration, "split": result.split, "tasks": b["episodes"],
+        "env_errors": b["env_errors"], "success": b["success_rate"], "won": b["won"],
+        "ci95": list(wilson(b["won"], b["episodes"]) or (0.0, 0.0)),  # a 6-game eval reads as what it is
         "outcomes": {t.game.game_id: int(t.won) for t in ran},  # per game: evals pair across iterations
-        "by_task_type": {k: {"episodes": len(v), "success": float(np.mean(v))} for k, v in sorted(by_type.items())},
-        "eval_s": round(time.perf_counter() - t0, 4), "adapter_version": adapter_version,
-        **{k: v for k, v in behaviour_metrics(rollout.trajectories).items() if k != "success_by_task_type"},
+        "by_task_type": {k: {"episodes": v["episodes"], "success": v["success_rate"]}
+                         for k, v in result.by_task_type.items() if v["episodes"]},
+        "eval_s": round(result.elapsed_s, 4), "adapter_version": adapter_version,
+        **{k: v for k, v in behaviour_metrics(result.trajectories).items() if k != "success_by_task_type"},
     }
 
 
@@ -232,38 +224,37 @@ class Hooks:
 def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None,
           tasks: TaskSampler | None = None) -> dict:
     """Run (or continue) a training run in `run`; return the last iteration's metrics line."""
-    from agentrl.sampling import make_sampler
     from agentrl.train.remote import LearnerDied, make_learner
 
     hooks = hooks or Hooks()
     tasks = tasks or TaskSampler(cfg)
-    owned, owned_sampler = learner is None, sampler is None
-    envs = open_envs(cfg)  # env worker processes (they start while the model loads), or None
+    owned = learner is None
+    generator = None
     try:
         from agentrl.train.remote import resolve_layout
 
-        sampler = sampler or make_sampler(cfg, colocated=resolve_layout(cfg) == "colocate")
+        # the env workers start while the model loads; a sampler made here is closed with the generator
+        generator = Generator(cfg, sampler, colocated=resolve_layout(cfg) == "colocate")
         learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
         metrics = Metrics(run / "metrics.jsonl", cfg.train.log_to, cfg)
         try:
-            return _loop(cfg, run, resume, hooks, tasks, sampler, learner, envs, metrics)
+            return _loop(cfg, run, resume, hooks, tasks, generator, learner, metrics)
         finally:
             metrics.close()
     except LearnerDied as e:
         raise LearnerDied(f"{e}; the run keeps its last complete iteration: continue with `agentrl train --resume {run}`") from None
     finally:
-        if envs is not None:
-            envs.shutdown()
+        if generator is not None:
+            generator.close()
         if owned and learner is not None:
             learner.close()
-        if owned_sampler and sampler is not None:
-            sampler.close()  # sampler replicas (Ray actors) hold their GPUs until then
 
 
-def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, sampler, learner, envs,
+def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, generator: Generator, learner,
           metrics: Metrics) -> dict:
     from agentrl.select.selection import Selection
 
+    sampler = generator.sampler
     selection = Selection(cfg, sampler, hooks.warn)  # the --select stages, their state restored on resume
     advantage = Advantage.of(cfg)  # --advantage with advantage.* and reward.*
     state = checkpoint.TrainState()
@@ -274,15 +265,15 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         state, weights = checkpoint.load(last, learner)
         tasks.restore(state.task_rng)
         selection.load_state_dict(state.select)
-        sampler.load(weights)
+        generator.load(weights)
     elif cfg.train.init_adapter:  # warm start (`agentrl sft`): the sampler serves it as version 0
-        sampler.load(WeightsRef(cfg.train.init_adapter, 0))
+        generator.load(WeightsRef(cfg.train.init_adapter, 0))
     metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
     E, row = cfg.train.eval_every, {}
-    eval_steps = cfg.train.eval_max_steps or cfg.rollout.max_steps or cfg.env.max_steps
+    eval_steps = cfg.t_max("train_eval")
     if state.iteration == 0 and tasks.held_out:  # iteration 0: the base policy, before any update
         hooks.phase("eval", eval_steps)
-        row = evaluate(cfg, sampler, tasks.held_out, 0, state.adapter_version, hooks.step, envs)
+        row = evaluate(cfg, generator, tasks.held_out, 0, state.adapter_version, hooks.step)
         state.elapsed_s += row["eval_s"]
         metrics.append(row)
         hooks.done(row)
@@ -291,16 +282,11 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         t0 = time.perf_counter()
         faults.iteration = it
         selection.begin(it)
-        hooks.phase("rollout", cfg.rollout.max_steps or cfg.env.max_steps)
-        policy = ModelPolicy(sampler, SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens),
-                             seed=iteration_seed(cfg.seed, it), **prompt_options(cfg))
-
-        def rollout_of(games, group_size=cfg.rollout.group_size, first_index=0, stages=selection.step_stages):
-            return roll(cfg, games, policy, on_step=hooks.step, envs=envs, stages=stages, group_size=group_size,
-                        first_index=first_index)
-
-        rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, rollout_of)  # select + rollout + gate
-        groups = selection.keep(rollout, lambda n: rollout_of(selection.refill_tasks(tasks, n)), cfg.rollout.tasks)  # filter
+        hooks.phase("rollout", cfg.t_max("rollout"))
+        roll = generator.roller(iteration_seed(cfg.seed, it), hooks.step)
+        rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, roll)  # select + rollout + gate
+        refill = lambda n: roll(selection.refill_tasks(tasks, n), stages=selection.step_stages)  # noqa: E731
+        groups = selection.keep(rollout, refill, cfg.rollout.tasks)                              # filter
         t1 = time.perf_counter()
         check_served_version(it, rollout, learner.version, hooks.warn)
         check_env_failures(it, rollout, hooks.warn)
@@ -311,7 +297,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         t2 = time.perf_counter()
         if stats.stepped:                                                                         # swap
             hooks.phase("swap")
-            sampler.load(learner.save(run / "adapters"))
+            generator.load(learner.save(run / "adapters"))
             prune_adapters(run / "adapters", cfg.train.keep_adapters)
         t3 = time.perf_counter()
         state.bad_updates = state.bad_updates + 1 if stats.skipped else 0
@@ -319,7 +305,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         eval_row = None
         if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
             hooks.phase("eval", eval_steps)
-            eval_row = evaluate(cfg, sampler, tasks.held_out, it, learner.version, hooks.step, envs)
+            eval_row = evaluate(cfg, generator, tasks.held_out, it, learner.version, hooks.step)
         t4 = time.perf_counter()
         state.iteration, state.adapter_version = it, learner.version
         state.elapsed_s += t4 - t0

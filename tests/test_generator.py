@@ -1,0 +1,70 @@
+"""The Generator (rollout/generator.py): the one rollout side that `agentrl rollout`, `agentrl
+eval` and the training loop all call, with real components (a tiny model behind the hf sampler,
+real ALFWorld games)."""
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.env.synthetic import SyntheticEnv, synthetic_games, synthetic_messages
+from agentrl.evaluate import summary
+from agentrl.rollout import ModelPolicy, WalkthroughPolicy, run_lockstep
+from agentrl.rollout.generator import EvalResult, Generator
+from agentrl.sampling.base import SamplingParams
+from agentrl.sampling.hf import HFSampler
+from agentrl.train.loop import eval_row
+
+
+def test_one_t_max_rule():
+    """env.max_steps is every episode's default; the setting of the episodes' own kind wins;
+    train's evals fall back to the rollouts' T_max."""
+    cfg = load_config(None, {"rollout.gate": "off", "env.max_steps": 7})
+    assert (cfg.t_max("rollout"), cfg.t_max("eval"), cfg.t_max("train_eval")) == (7, 7, 7)
+    cfg = load_config(None, {"rollout.gate": "off", "env.max_steps": 7, "rollout.max_steps": 5, "eval.max_steps": 9})
+    assert (cfg.t_max("rollout"), cfg.t_max("eval"), cfg.t_max("train_eval")) == (5, 9, 5)
+    cfg = load_config(None, {"rollout.gate": "off", "env.max_steps": 7, "train.eval_max_steps": 3})
+    assert (cfg.t_max("rollout"), cfg.t_max("train_eval")) == (7, 3)
+    with pytest.raises(ValueError):
+        cfg.t_max("sft")
+
+
+def test_generate_is_the_lockstep_run_with_the_configs_policy(tiny_model, tokenizer):
+    """generate = run_lockstep with the policy the config names (sampling settings, prompt, seed,
+    T_max, signal steps): the same tokens, log-probs and actions; the seed changes the samples."""
+    cfg = load_config(None, {"env.kind": "synthetic", "env.max_steps": 1, "env.workers": 0, "rollout.gate": "off",
+                             "sampling.temperature": 1.0, "sampling.max_new_tokens": 8, "rollout.group_size": 3})
+    games = synthetic_games("train", 2)
+    with Generator(cfg, HFSampler(tiny_model, tokenizer)) as gen:
+        got = gen.generate(games, seed=11)
+        again = gen.roller(11)(games, 3, 0, [])
+        other = gen.generate(games, seed=12)
+    policy = ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 8), seed=11, messages=synthetic_messages)
+    want = run_lockstep(games, policy, 1, group_size=3, make_env=SyntheticEnv)
+
+    def tokens(r):
+        return [(t.game.game_id, t.index, t.token_ids, [s.command for s in t.steps]) for t in r.trajectories]
+
+    assert tokens(got) == tokens(want) == tokens(again) and len(got.trajectories) == 6
+    assert all(t.stop_reason != "env_error" for t in got.trajectories)
+    flat = lambda r: [lp for t in r.trajectories for lp in t.logprobs]  # noqa: E731
+    assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+    assert tokens(other) != tokens(got)
+
+
+def test_one_eval_record_two_projections(games):
+    """`agentrl eval`'s summary.json and train's metrics row read one EvalResult: a game the env
+    cannot run is in neither's success; both say the same numbers under their own keys."""
+    cfg = load_config(None, {"env.workers": 0, "eval.policy": "walkthrough"})
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
+    with Generator(cfg, walkthrough=True) as gen:
+        assert isinstance(gen.policy(0), WalkthroughPolicy) and gen.sampler is None
+        result = gen.evaluate(chosen, "valid_seen", 4)
+    assert isinstance(result, EvalResult) and result.max_steps == 4
+    s, row = summary(result, cfg), eval_row(result, 3, 2)
+    assert s["max_steps"] == 4 and s["split"] == row["split"] == "valid_seen"
+    assert (row["success"], row["won"], row["tasks"]) == (s["overall"]["success_rate"], s["overall"]["won"], s["overall"]["episodes"])
+    assert row["ci95"] == s["overall"]["ci95"]
+    assert {k: v["success"] for k, v in row["by_task_type"].items()} == {k: v["success_rate"] for k, v in s["by_task_type"].items()}
+    assert list(row) == ["kind", "iteration", "split", "tasks", "env_errors", "success", "won", "ci95", "outcomes",
+                         "by_task_type", "eval_s", "adapter_version", "valid_action_rate", "mean_reply_tokens",
+                         "replies_cut_rate", "mean_episode_steps"]
+    assert (row["kind"], row["iteration"], row["adapter_version"]) == ("eval", 3, 2)
