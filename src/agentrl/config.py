@@ -325,121 +325,15 @@ class Config:
         return self.rollout.max_steps or self.env.max_steps
 
     def validate(self) -> "Config":
-        checks = [
-            (self.env.max_steps >= 1, f"env.max_steps must be >= 1, got {self.env.max_steps}"),
-            (0 <= self.env.fuzzy_threshold <= 100, f"env.fuzzy_threshold must be in [0, 100], got {self.env.fuzzy_threshold}"),
-            (self.sampling.temperature >= 0, f"sampling.temperature must be >= 0, got {self.sampling.temperature}"),
-            (0 < self.sampling.top_p <= 1, f"sampling.top_p must be in (0, 1], got {self.sampling.top_p}"),
-            (self.sampling.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {self.sampling.max_new_tokens}"),
-            (self.sampling.batch_size >= 1, f"sampling.batch_size must be >= 1, got {self.sampling.batch_size}"),
-            (self.sampling.backend in ("hf", "vllm"), f"sampling.backend must be 'hf' or 'vllm', got {self.sampling.backend!r}"),
-            (self.sampling.gpu_memory_utilization == "auto" or (not isinstance(self.sampling.gpu_memory_utilization, str)
-                                                                 and 0 < self.sampling.gpu_memory_utilization <= 1),
-             f"sampling.gpu_memory_utilization must be auto or in (0, 1], got {self.sampling.gpu_memory_utilization}"),
-            # what vLLM enforces at run time (vllm/sampling_params.py), refused before any work starts
-            (self.sampling.backend != "vllm" or self.sampling.temperature <= 2.0,
-             f"sampling.temperature must be <= 2 with the vllm sampler (vLLM refuses more), got {self.sampling.temperature}"),
-            (self.sampling.backend != "vllm" or not 0 < self.sampling.temperature < 0.01,
-             f"sampling.temperature {self.sampling.temperature} is below vLLM's 0.01, which it would silently use "
-             "instead; use 0 (greedy) or >= 0.01"),
-            (self.sampling.max_model_len is None or self.sampling.max_model_len >= 1, f"sampling.max_model_len must be >= 1, got {self.sampling.max_model_len}"),
-            (self.sampling.max_loras >= 1, f"sampling.max_loras must be >= 1, got {self.sampling.max_loras}"),
-            (self.sampling.kv_budget_gb == "auto" or (not isinstance(self.sampling.kv_budget_gb, (str, bool))
-                                                      and self.sampling.kv_budget_gb > 0),
-             f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {self.sampling.kv_budget_gb!r}"),
-            (self.eval.split in SPLITS, f"unknown split {self.eval.split!r}; choose one of {', '.join(SPLITS)}"),
-            (self.eval.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {self.eval.policy!r}"),
-            (self.eval.limit is None or self.eval.limit >= 1, f"eval.limit must be >= 1, got {self.eval.limit}"),
-            (self.eval.samples >= 0, f"eval.samples must be >= 0 (0: greedy), got {self.eval.samples}"),
-            (self.eval.samples == 0 or self.eval.policy == "model", "eval.samples samples the model: use --policy model"),
-            (self.eval.max_steps is None or self.eval.max_steps >= 1, f"eval.max_steps must be >= 1, got {self.eval.max_steps}"),
-            (self.env.workers == "auto" or (isinstance(self.env.workers, int) and self.env.workers >= 0),
-             f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {self.env.workers!r}"),
-            (self.env.overlap in ("auto", True, False), f"env.overlap must be auto, true or false, got {self.env.overlap!r}"),
-            (self.cluster.ray_address is None or _ray_address_ok(self.cluster.ray_address),
-             f"cluster.ray_address must be local, auto or HOST:PORT (e.g. 10.0.0.1:6379), got {self.cluster.ray_address!r}"),
-            (self.sampling.replicas >= 1, f"sampling.replicas must be >= 1, got {self.sampling.replicas}"),
-            (self.sampling.replicas == 1 or self.cluster.ray_address is not None,
-             f"sampling.replicas {self.sampling.replicas} needs a Ray cluster (--ray-address local|auto|HOST:PORT)"),
-            (self.env.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {self.env.worker_timeout_s}"),
-            (self.env.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {self.env.kind!r}"),
-            (self.model.dtype in ("auto", "float32", "bfloat16", "float16"), f"model.dtype must be auto|float32|bfloat16|float16, got {self.model.dtype!r}"),
-            (self.prompt.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {self.prompt.example!r}"),
-            (self.prompt.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {self.prompt.reply!r}"),
-            (self.prompt.admissible in (None, True, False), f"prompt.admissible must be true or false, got {self.prompt.admissible!r}"),
-            (self.prompt.history is None or (type(self.prompt.history) is int and self.prompt.history >= 0),
-             f"prompt.history must be a whole number >= 0 (0: the whole episode), got {self.prompt.history!r}"),
-            (not self.prompt.history or self.learner.loss_agg != "seq-mean-token-mean",
-             "learner.loss_agg seq-mean-token-mean needs the whole episode in one sequence: not with prompt.history"),
-            (self.rollout.skip_tasks >= 0, f"rollout.skip_tasks must be >= 0, got {self.rollout.skip_tasks}"),
-            (self.learner.epochs >= 1, f"learner.epochs must be >= 1, got {self.learner.epochs}"),
-            (self.learner.minibatches >= 1, f"learner.minibatches must be >= 1, got {self.learner.minibatches}"),
-            (0 < self.learner.clip < 1, f"learner.clip must be in (0, 1), got {self.learner.clip}"),
-            (self.learner.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {self.learner.kl_coef}"),
-            (self.learner.kl_coef == 0 or bool(self.train.init_adapter),
-             "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
-            (self.sft.epochs >= 1, f"sft.epochs must be >= 1, got {self.sft.epochs}"),
-            (self.sft.games is None or self.sft.games >= 1, f"sft.games must be >= 1, got {self.sft.games}"),
-            (self.sft.lr > 0, f"sft.lr must be > 0, got {self.sft.lr}"),
-            (self.sft.token_budget >= 64, f"sft.token_budget must be >= 64, got {self.sft.token_budget}"),
-            (self.sft.batch_games >= 1, f"sft.batch_games must be >= 1, got {self.sft.batch_games}"),
-            (self.sft.grad_clip > 0, f"sft.grad_clip must be > 0, got {self.sft.grad_clip}"),
-            (0 <= self.sft.warmup < 1, f"sft.warmup must be in [0, 1) (a share of the steps), got {self.sft.warmup}"),
-            (self.sft.schedule in ("constant", "cosine"), f"sft.schedule must be constant or cosine, got {self.sft.schedule!r}"),
-            (0 <= self.sft.min_lr_ratio <= 1, f"sft.min_lr_ratio must be in [0, 1], got {self.sft.min_lr_ratio}"),
-            (self.sft.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {self.sft.heldout_games}"),
-            (self.sft.split in SPLITS and self.sft.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UserError(message)
+        """The first failing check as a one-line UserError. The tables below run in this order
+        (the order errors are reported in); check_select checks the `select` and `gate` sections."""
+        _raise_first([*_check_env_steps(self), *_check_sampling(self), *_check_eval(self), *_check_processes(self),
+                      *_check_model_prompt(self), *_check_updates(self), *_check_sft(self)])
         for t in [*self.eval.task_types, *self.rollout.task_types]:
             check_task_type(t)
-        r = self.rollout
-        for ok, message in [
-            (r.split in SPLITS, f"unknown split {r.split!r}; choose one of {', '.join(SPLITS)}"),
-            (r.tasks >= 1, f"rollout.tasks must be >= 1, got {r.tasks}"),
-            (r.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares rollouts of a task), got {r.group_size}"),
-            (r.max_steps is None or r.max_steps >= 1, f"rollout.max_steps must be >= 1, got {r.max_steps}"),
-            (all(k >= 1 for k in r.signal_steps), f"rollout.signal_steps must be >= 1, got {r.signal_steps}"),
-            (r.rounds >= 1, f"rollout.rounds must be >= 1, got {r.rounds}"),
-        ]:
-            if not ok:
-                raise UserError(message)
-        lc, tc = self.learner, self.train
-        for ok, message in [
-            (lc.lora_r >= 1, f"learner.lora_r must be >= 1, got {lc.lora_r}"),
-            (lc.lora_alpha > 0, f"learner.lora_alpha must be > 0, got {lc.lora_alpha}"),
-            (0 <= lc.lora_dropout < 1, f"learner.lora_dropout must be in [0, 1), got {lc.lora_dropout}"),
-            (bool(lc.target_modules), "learner.target_modules must name at least one module"),
-            (lc.lr > 0, f"learner.lr must be > 0, got {lc.lr}"),
-            (lc.weight_decay >= 0, f"learner.weight_decay must be >= 0, got {lc.weight_decay}"),
-            (lc.grad_clip is None or lc.grad_clip > 0, f"learner.grad_clip must be > 0 (or null: no clipping), got {lc.grad_clip}"),
-            (lc.micro_batch >= 1, f"learner.micro_batch must be >= 1, got {lc.micro_batch}"),
-            (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
-            (tc.iterations >= 0, f"train.iterations must be >= 0, got {tc.iterations}"),
-            (tc.advantage in ADVANTAGES, f"train.advantage must be one of {', '.join(ADVANTAGES)}, got {tc.advantage!r}"),
-            (0 <= self.advantage.gamma <= 1, f"advantage.gamma must be in [0, 1], got {self.advantage.gamma}"),
-            (self.advantage.omega >= 0, f"advantage.omega must be >= 0, got {self.advantage.omega}"),
-            (self.reward.invalid_action <= 0, f"reward.invalid_action is a penalty: it must be <= 0, got {self.reward.invalid_action}"),
-            (self.reward.invalid_action_in in ("return", "advantage"),
-             f"reward.invalid_action_in must be return or advantage, got {self.reward.invalid_action_in!r}"),
-            (self.reward.invalid_action_in == "return" or self.train.advantage != "gigpo",
-             "reward.invalid_action_in advantage is for trajectory-level estimators; gigpo already gives each reply its own"),
-            (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
-            (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
-            (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),
-            (tc.eval_max_steps is None or tc.eval_max_steps >= 1, f"train.eval_max_steps must be >= 1, got {tc.eval_max_steps}"),
-            (tc.logprob_gap_warn > 0, f"train.logprob_gap_warn must be > 0, got {tc.logprob_gap_warn}"),
-            (tc.max_bad_updates >= 1, f"train.max_bad_updates must be >= 1, got {tc.max_bad_updates}"),
-            (tc.keep_adapters >= 1, f"train.keep_adapters must be >= 1, got {tc.keep_adapters}"),
-            (tc.layout in ("auto", "colocate", "split"), f"train.layout must be auto, colocate or split, got {tc.layout!r}"),
-            (all(n.strip().lower() in ("tensorboard", "wandb", "none", "off", "") for n in (tc.log_to or "").split(",")),
-             f"train.log_to must list tensorboard and/or wandb, got {tc.log_to!r}"),
-        ]:
-            if not ok:
-                raise UserError(message)
-        gate = r.parsed_gate()
+        _raise_first(_check_rollout(self))
+        _raise_first([*_check_learner(self), *_check_train(self)])
+        gate = self.rollout.parsed_gate()
         t_max = self.t_max("rollout")
         if gate is not None and gate.K > t_max:
             raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
@@ -447,6 +341,175 @@ class Config:
 
         check_select(self)
         return self
+
+
+Checks = list[tuple[bool, str]]  # (condition that must hold, the one-line error when it does not)
+
+
+def _raise_first(checks: Checks) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def _check_env_steps(c: Config) -> Checks:
+    e = c.env
+    return [
+        (e.max_steps >= 1, f"env.max_steps must be >= 1, got {e.max_steps}"),
+        (0 <= e.fuzzy_threshold <= 100, f"env.fuzzy_threshold must be in [0, 100], got {e.fuzzy_threshold}"),
+    ]
+
+
+def _check_sampling(c: Config) -> Checks:
+    s = c.sampling
+    return [
+        (s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}"),
+        (0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}"),
+        (s.max_new_tokens >= 1, f"sampling.max_new_tokens must be >= 1, got {s.max_new_tokens}"),
+        (s.batch_size >= 1, f"sampling.batch_size must be >= 1, got {s.batch_size}"),
+        (s.backend in ("hf", "vllm"), f"sampling.backend must be 'hf' or 'vllm', got {s.backend!r}"),
+        (s.gpu_memory_utilization == "auto" or (not isinstance(s.gpu_memory_utilization, str)
+                                                and 0 < s.gpu_memory_utilization <= 1),
+         f"sampling.gpu_memory_utilization must be auto or in (0, 1], got {s.gpu_memory_utilization}"),
+        # what vLLM enforces at run time (vllm/sampling_params.py), refused before any work starts
+        (s.backend != "vllm" or s.temperature <= 2.0,
+         f"sampling.temperature must be <= 2 with the vllm sampler (vLLM refuses more), got {s.temperature}"),
+        (s.backend != "vllm" or not 0 < s.temperature < 0.01,
+         f"sampling.temperature {s.temperature} is below vLLM's 0.01, which it would silently use "
+         "instead; use 0 (greedy) or >= 0.01"),
+        (s.max_model_len is None or s.max_model_len >= 1, f"sampling.max_model_len must be >= 1, got {s.max_model_len}"),
+        (s.max_loras >= 1, f"sampling.max_loras must be >= 1, got {s.max_loras}"),
+        (s.kv_budget_gb == "auto" or (not isinstance(s.kv_budget_gb, (str, bool)) and s.kv_budget_gb > 0),
+         f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {s.kv_budget_gb!r}"),
+    ]
+
+
+def _check_eval(c: Config) -> Checks:
+    v = c.eval
+    return [
+        (v.split in SPLITS, f"unknown split {v.split!r}; choose one of {', '.join(SPLITS)}"),
+        (v.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {v.policy!r}"),
+        (v.limit is None or v.limit >= 1, f"eval.limit must be >= 1, got {v.limit}"),
+        (v.samples >= 0, f"eval.samples must be >= 0 (0: greedy), got {v.samples}"),
+        (v.samples == 0 or v.policy == "model", "eval.samples samples the model: use --policy model"),
+        (v.max_steps is None or v.max_steps >= 1, f"eval.max_steps must be >= 1, got {v.max_steps}"),
+    ]
+
+
+def _check_processes(c: Config) -> Checks:
+    """Where the work runs: env workers, the Ray cluster, sampler replicas; and which env."""
+    e, s = c.env, c.sampling
+    return [
+        (e.workers == "auto" or (isinstance(e.workers, int) and e.workers >= 0),
+         f"env.workers must be auto or a number >= 0 (0: envs in the main process), got {e.workers!r}"),
+        (e.overlap in ("auto", True, False), f"env.overlap must be auto, true or false, got {e.overlap!r}"),
+        (c.cluster.ray_address is None or _ray_address_ok(c.cluster.ray_address),
+         f"cluster.ray_address must be local, auto or HOST:PORT (e.g. 10.0.0.1:6379), got {c.cluster.ray_address!r}"),
+        (s.replicas >= 1, f"sampling.replicas must be >= 1, got {s.replicas}"),
+        (s.replicas == 1 or c.cluster.ray_address is not None,
+         f"sampling.replicas {s.replicas} needs a Ray cluster (--ray-address local|auto|HOST:PORT)"),
+        (e.worker_timeout_s > 0, f"env.worker_timeout_s must be > 0, got {e.worker_timeout_s}"),
+        (e.kind in ("alfworld", "synthetic"), f"env.kind must be 'alfworld' or 'synthetic', got {e.kind!r}"),
+    ]
+
+
+def _check_model_prompt(c: Config) -> Checks:
+    p = c.prompt
+    return [
+        (c.model.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"model.dtype must be auto|float32|bfloat16|float16, got {c.model.dtype!r}"),
+        (p.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {p.example!r}"),
+        (p.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {p.reply!r}"),
+        (p.admissible in (None, True, False), f"prompt.admissible must be true or false, got {p.admissible!r}"),
+        (p.history is None or (type(p.history) is int and p.history >= 0),
+         f"prompt.history must be a whole number >= 0 (0: the whole episode), got {p.history!r}"),
+        (not p.history or c.learner.loss_agg != "seq-mean-token-mean",
+         "learner.loss_agg seq-mean-token-mean needs the whole episode in one sequence: not with prompt.history"),
+    ]
+
+
+def _check_updates(c: Config) -> Checks:
+    """The learner's PPO-style update (and rollout.skip_tasks, checked here to keep the reporting order)."""
+    lc = c.learner
+    return [
+        (c.rollout.skip_tasks >= 0, f"rollout.skip_tasks must be >= 0, got {c.rollout.skip_tasks}"),
+        (lc.epochs >= 1, f"learner.epochs must be >= 1, got {lc.epochs}"),
+        (lc.minibatches >= 1, f"learner.minibatches must be >= 1, got {lc.minibatches}"),
+        (0 < lc.clip < 1, f"learner.clip must be in (0, 1), got {lc.clip}"),
+        (lc.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {lc.kl_coef}"),
+        (lc.kl_coef == 0 or bool(c.train.init_adapter),
+         "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
+    ]
+
+
+def _check_sft(c: Config) -> Checks:
+    s = c.sft
+    return [
+        (s.epochs >= 1, f"sft.epochs must be >= 1, got {s.epochs}"),
+        (s.games is None or s.games >= 1, f"sft.games must be >= 1, got {s.games}"),
+        (s.lr > 0, f"sft.lr must be > 0, got {s.lr}"),
+        (s.token_budget >= 64, f"sft.token_budget must be >= 64, got {s.token_budget}"),
+        (s.batch_games >= 1, f"sft.batch_games must be >= 1, got {s.batch_games}"),
+        (s.grad_clip > 0, f"sft.grad_clip must be > 0, got {s.grad_clip}"),
+        (0 <= s.warmup < 1, f"sft.warmup must be in [0, 1) (a share of the steps), got {s.warmup}"),
+        (s.schedule in ("constant", "cosine"), f"sft.schedule must be constant or cosine, got {s.schedule!r}"),
+        (0 <= s.min_lr_ratio <= 1, f"sft.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}"),
+        (s.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {s.heldout_games}"),
+        (s.split in SPLITS and s.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),
+    ]
+
+
+def _check_rollout(c: Config) -> Checks:
+    r = c.rollout
+    return [
+        (r.split in SPLITS, f"unknown split {r.split!r}; choose one of {', '.join(SPLITS)}"),
+        (r.tasks >= 1, f"rollout.tasks must be >= 1, got {r.tasks}"),
+        (r.group_size >= 2, f"rollout.group_size must be >= 2 (GRPO compares rollouts of a task), got {r.group_size}"),
+        (r.max_steps is None or r.max_steps >= 1, f"rollout.max_steps must be >= 1, got {r.max_steps}"),
+        (all(k >= 1 for k in r.signal_steps), f"rollout.signal_steps must be >= 1, got {r.signal_steps}"),
+        (r.rounds >= 1, f"rollout.rounds must be >= 1, got {r.rounds}"),
+    ]
+
+
+def _check_learner(c: Config) -> Checks:
+    lc = c.learner
+    return [
+        (lc.lora_r >= 1, f"learner.lora_r must be >= 1, got {lc.lora_r}"),
+        (lc.lora_alpha > 0, f"learner.lora_alpha must be > 0, got {lc.lora_alpha}"),
+        (0 <= lc.lora_dropout < 1, f"learner.lora_dropout must be in [0, 1), got {lc.lora_dropout}"),
+        (bool(lc.target_modules), "learner.target_modules must name at least one module"),
+        (lc.lr > 0, f"learner.lr must be > 0, got {lc.lr}"),
+        (lc.weight_decay >= 0, f"learner.weight_decay must be >= 0, got {lc.weight_decay}"),
+        (lc.grad_clip is None or lc.grad_clip > 0, f"learner.grad_clip must be > 0 (or null: no clipping), got {lc.grad_clip}"),
+        (lc.micro_batch >= 1, f"learner.micro_batch must be >= 1, got {lc.micro_batch}"),
+        (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
+    ]
+
+
+def _check_train(c: Config) -> Checks:
+    """`train`, with the `advantage` and `reward` settings it trains with."""
+    tc, a, rw = c.train, c.advantage, c.reward
+    return [
+        (tc.iterations >= 0, f"train.iterations must be >= 0, got {tc.iterations}"),
+        (tc.advantage in ADVANTAGES, f"train.advantage must be one of {', '.join(ADVANTAGES)}, got {tc.advantage!r}"),
+        (0 <= a.gamma <= 1, f"advantage.gamma must be in [0, 1], got {a.gamma}"),
+        (a.omega >= 0, f"advantage.omega must be >= 0, got {a.omega}"),
+        (rw.invalid_action <= 0, f"reward.invalid_action is a penalty: it must be <= 0, got {rw.invalid_action}"),
+        (rw.invalid_action_in in ("return", "advantage"),
+         f"reward.invalid_action_in must be return or advantage, got {rw.invalid_action_in!r}"),
+        (rw.invalid_action_in == "return" or tc.advantage != "gigpo",
+         "reward.invalid_action_in advantage is for trajectory-level estimators; gigpo already gives each reply its own"),
+        (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
+        (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
+        (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),
+        (tc.eval_max_steps is None or tc.eval_max_steps >= 1, f"train.eval_max_steps must be >= 1, got {tc.eval_max_steps}"),
+        (tc.logprob_gap_warn > 0, f"train.logprob_gap_warn must be > 0, got {tc.logprob_gap_warn}"),
+        (tc.max_bad_updates >= 1, f"train.max_bad_updates must be >= 1, got {tc.max_bad_updates}"),
+        (tc.keep_adapters >= 1, f"train.keep_adapters must be >= 1, got {tc.keep_adapters}"),
+        (tc.layout in ("auto", "colocate", "split"), f"train.layout must be auto, colocate or split, got {tc.layout!r}"),
+        (all(n.strip().lower() in ("tensorboard", "wandb", "none", "off", "") for n in (tc.log_to or "").split(",")),
+         f"train.log_to must list tensorboard and/or wandb, got {tc.log_to!r}"),
+    ]
 
 
 def check_task_type(name: str) -> str:
