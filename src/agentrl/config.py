@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from agentrl.errors import UserError
+from agentrl.specs import check_ray_address, check_select, parse_gate
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -123,8 +124,6 @@ class RolloutConfig:
     rounds: int = 1
 
     def parsed_gate(self):
-        from agentrl.specs import parse_gate
-
         return parse_gate(self.gate, self.gate_or_tau)
 
 
@@ -337,8 +336,6 @@ class Config:
         t_max = self.t_max("rollout")
         if gate is not None and gate.K > t_max:
             raise UserError(f"gate K={gate.K} is beyond T_max={t_max}: the gate would never be evaluated")
-        from agentrl.specs import check_select
-
         check_select(self)
         return self
 
@@ -521,8 +518,6 @@ def check_task_type(name: str) -> str:
 
 
 def _ray_address_ok(address: str) -> bool:
-    from agentrl.specs import check_ray_address
-
     try:
         return bool(check_ray_address(address))
     except UserError:
