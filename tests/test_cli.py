@@ -331,6 +331,15 @@ def test_a_removed_flag_names_its_replacement(tmp_path, flag, replacement):
     assert_clean_error(agentrl("eval", flag), rf"^error: No such option: {flag}")  # never an eval flag: the parser's own line
 
 
+def test_a_removed_config_key_names_its_replacement(tmp_path):
+    """A config file that still sets a removed key fails like a removed flag: one line, exit 2, nothing written."""
+    config, out = tmp_path / "old.yaml", tmp_path / "out"
+    config.write_text("train:\n  dapo_filter: true\n")
+    assert_clean_error(agentrl("train", "--config", str(config), "--out", str(out)),
+                       r"config key 'train.dapo_filter' was removed: use select.stages: cut,dapo")
+    assert not out.exists()
+
+
 def test_every_option_sets_a_real_config_field():
     """Each option that carries a config path names a field of the config tree, so the overrides a
     command builds from its options are the ones load_config takes; train's are the old hand-written set."""

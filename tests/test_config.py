@@ -29,6 +29,18 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
         load_config(write(tmp_path, "sampling:\n  temperatur: 0.5\n"))
 
 
+def test_a_removed_key_names_its_replacement(tmp_path):
+    """train.dapo_filter (superseded by select.stages) answers with one line naming the replacement;
+    its inert value, which every older run's config.yaml holds, still loads (--resume reads those)."""
+    for source in (write(tmp_path, "train:\n  dapo_filter: true\n"), None):
+        with pytest.raises(UserError, match=r"^config key 'train.dapo_filter' was removed: use select.stages: cut,dapo "
+                                            r"\(--select cut,dapo; without the gate, dapo\)$") as e:
+            load_config(source, None if source else {"train.dapo_filter": True})
+        assert "\n" not in str(e.value)
+    cfg = load_config(write(tmp_path, "train:\n  dapo_filter: false\n  iterations: 3\n"))
+    assert cfg.train.iterations == 3 and not hasattr(cfg.train, "dapo_filter") and cfg.select.stages is None
+
+
 def test_malformed_yaml_is_one_clear_line(tmp_path):
     with pytest.raises(UserError, match=r"malformed YAML .* \(line \d+\)") as e:
         load_config(write(tmp_path, "env:\n  max_steps: [1, 2\n"))

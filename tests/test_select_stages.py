@@ -116,7 +116,8 @@ def test_pilot_and_commit_trajectories_form_one_group():
 def test_select_list_is_ordered_by_stage_point_and_checked():
     assert stage_names(load_config(None, {"select.stages": "dapo,cut,greso"})) == ["greso", "cut", "dapo"]
     assert stage_names(load_config()) == ["cut"]  # the gate is on by default
-    assert stage_names(load_config(None, {"rollout.gate": "off", "train.dapo_filter": True})) == ["dapo"]
+    assert stage_names(load_config(None, {"rollout.gate": "off"})) == []  # no stage unless the gate is on or one is selected
+    assert stage_names(load_config(None, {"rollout.gate": "off", "select.stages": "dapo"})) == ["dapo"]
     assert list(STAGES) == ["greso", "pilot-commit", "cut", "arrol", "dapo"]
     for overrides, message in [
         ({"select.stages": "gresso"}, r"unknown selection stage 'gresso' \(did you mean 'greso'\?\)"),

@@ -179,7 +179,6 @@ class TrainConfig:
 
     iterations: int = 60
     advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo | gigpo (step-level credit; settings in `advantage`)
-    dapo_filter: bool = False  # also drop uncut zero-variance groups from the loss
     eval_every: int = 10  # E; iteration 0 is always evaluated
     eval_tasks: int = 50  # H held-out tasks (disjoint from the training tasks)
     eval_split: str = "valid_seen"
@@ -264,7 +263,7 @@ class ArrolConfig:
 class SelectConfig:
     """Rollout selection stages (`--select greso,pilot-commit,cut,arrol,dapo`; run in stage-point order)."""
 
-    stages: str | None = None  # None: cut when rollout.gate is on, plus dapo when train.dapo_filter
+    stages: str | None = None  # None: cut when rollout.gate is on, else none
     gate_audit: float = 0.0  # share of the groups the gate would cut that run on anyway (kept out of the loss)
     dapo_refill: int = 0  # extra rollout rounds to refill the batch when the DAPO filter drops groups
     greso: GresoConfig = field(default_factory=GresoConfig)
@@ -556,6 +555,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+# Removed keys: path -> (the value that asks for nothing, what to use instead). A config that sets
+# one to anything else gets one line naming the replacement; the inert value (what every older
+# run directory's config.yaml holds, so --resume still reads it) is ignored.
+REMOVED_KEYS = {
+    "train.dapo_filter": (False, "select.stages: cut,dapo (--select cut,dapo; without the gate, dapo)"),
+}
+
+
 def _merge(obj: Any, data: dict, prefix: str = "") -> None:
     if not isinstance(data, dict):
         raise UserError(f"config section {prefix.rstrip('.') or '<top>'} must be a mapping, got {data!r}")
@@ -563,6 +570,11 @@ def _merge(obj: Any, data: dict, prefix: str = "") -> None:
     names = [f.name for f in dataclasses.fields(obj)]
     for key, value in data.items():
         where = f"{prefix}{key}"
+        if where in REMOVED_KEYS:
+            inert, use = REMOVED_KEYS[where]
+            if value is inert:
+                continue
+            raise UserError(f"config key {where!r} was removed: use {use}")
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1)
             extra = f" (did you mean '{prefix}{hint[0]}'?)" if hint else ""

@@ -91,11 +91,11 @@ STAGES = ("greso", "pilot-commit", "cut", "arrol", "dapo")
 
 
 def stage_names(cfg) -> list[str]:
-    """The configured stages in application order; without `select.stages`, what the older
-    settings imply (the gate when rollout.gate is on, the DAPO filter when train.dapo_filter)."""
+    """The configured stages in application order; without `select.stages`, the gate's cut when
+    rollout.gate is on."""
     spec = cfg.select.stages
     if spec is None:
-        names = (["cut"] if cfg.rollout.parsed_gate() is not None else []) + (["dapo"] if cfg.train.dapo_filter else [])
+        names = ["cut"] if cfg.rollout.parsed_gate() is not None else []
     else:
         names = [n.strip().lower() for n in spec.split(",") if n.strip() and n.strip().lower() not in ("none", "off")]
     for n in names:
