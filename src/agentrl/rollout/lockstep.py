@@ -23,7 +23,7 @@ from agentrl.env.data import Game
 from agentrl.env.pool import EnvFailure, LocalEnvs
 from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
 from agentrl.rollout.signals import Trace, command_symbol, signals_at
-from agentrl.rollout.trajectory import Step, Trajectory, window
+from agentrl.rollout.trajectory import GroupOutcome, Step, Trajectory, window
 from agentrl.sampling.base import GenRequest, Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class WalkthroughPolicy:
 
 
 @dataclass
-class Group:
+class Group(GroupOutcome):
     """The G trajectories of one task, with the signals at each recorded K and the gate's verdict."""
 
     game: Game
@@ -151,14 +151,6 @@ class Group:
     generate_s: float = 0.0  # its share of each batched generate call (by generated tokens)
     env_s: float = 0.0
     wall_s: float = 0.0  # from rollout start until its last trajectory stopped
-
-    @property
-    def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories]
-
-    @property
-    def zero_variance(self) -> bool:
-        return len(set(self.rewards)) <= 1
 
     @property
     def env_failed(self) -> bool:

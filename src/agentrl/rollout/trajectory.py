@@ -10,6 +10,20 @@ from agentrl.env.data import Game
 from agentrl.errors import RunError
 
 
+class GroupOutcome:
+    """What a group's G outcomes say (a rollout's Group, Tier 2's BufferGroup): its `trajectories`
+    each carry a `reward`."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def zero_variance(self) -> bool:
+        """All G rewards equal: the group teaches GRPO nothing."""
+        return len(set(self.rewards)) <= 1
+
+
 @dataclass
 class Step:
     response: str  # the model's text (or the walkthrough command)

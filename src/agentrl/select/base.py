@@ -15,8 +15,11 @@ state in the run's checkpoints (`state_dict` / `load_state_dict`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
+
+from agentrl.errors import UserError
 
 POINTS = ("before", "step", "after")
 
@@ -50,3 +53,17 @@ class Stage(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def settings_check(stage: str):
+    """`check(ok, message)` for a stage's settings: a one-line UserError naming the stage."""
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise UserError(f"{stage}: {message}")
+
+    return check
+
+
+def finite_number(x) -> bool:
+    """A real number setting (not a bool, not NaN or infinite)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -34,19 +34,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from agentrl.env.data import Game
-from agentrl.errors import UserError
-from agentrl.select.base import StageStats
+from agentrl.select.base import StageStats, finite_number, settings_check
 
 KINDS = ("easy", "hard")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(f"greso: {message}")
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
+_check = settings_check("greso")
+_number = finite_number
 
 
 def outcome(group) -> str | None:

@@ -35,19 +35,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from agentrl.env.data import Game
-from agentrl.errors import UserError
-from agentrl.select.base import StageStats
+from agentrl.select.base import StageStats, finite_number, settings_check
 
 SAMPLING = ("max_variance", "random")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(f"pilot-commit: {message}")
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+_check = settings_check("pilot-commit")
+_number = finite_number
 
 
 def success_rate(group) -> float:

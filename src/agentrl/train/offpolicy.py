@@ -29,6 +29,7 @@ import numpy as np
 from agentrl.errors import UserError
 from agentrl.io import read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS, Trace, signals_at
+from agentrl.rollout.trajectory import GroupOutcome
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
 from agentrl.select.cut import gate_rule
 from agentrl.select.gate_rule import GateRule
@@ -66,21 +67,13 @@ class BufferTrajectory:
 
 
 @dataclass
-class BufferGroup:
+class BufferGroup(GroupOutcome):
     """The G trajectories of one task, with the signals `agentrl rollout` recorded per K."""
 
     task_id: str
     trajectories: list[BufferTrajectory]
     recorded: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> signals read from groups.csv
     _computed: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
-
-    @property
-    def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories]
-
-    @property
-    def zero_variance(self) -> bool:
-        return len(set(self.rewards)) <= 1
 
     def signals_at(self, K: int) -> dict[str, float]:
         """The signals at step K: groups.csv's values, the rest computed from the step records
