@@ -320,7 +320,7 @@ def test_usage_errors_are_one_line_too(args, pattern):
 
 
 @pytest.mark.parametrize("flag, replacement", [
-    ("--dapo-filter", "--select dapo"), ("--no-dapo-filter", "--select without dapo"), ("--colocate", "--layout colocate"),
+    ("--dapo-filter", r"--select cut,dapo \(the gate and the filter; without the gate, --select dapo\)"), ("--no-dapo-filter", "--select without dapo"), ("--colocate", "--layout colocate"),
 ])
 def test_a_removed_flag_names_its_replacement(tmp_path, flag, replacement):
     """A superseded flag is gone from --help and answers with one line naming what replaces it, exit 2."""

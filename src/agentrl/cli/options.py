@@ -69,7 +69,7 @@ GateOrTauOpt = opt(OptFloat, "rollout.gate_or_tau", "OR-rule: also cut when >= t
 
 # Removed flags, per command: each answers with one line naming its replacement (exit 2), see cli.main.
 REMOVED_FLAGS = {"train": {
-    "--dapo-filter": "--select dapo",
+    "--dapo-filter": "--select cut,dapo (the gate and the filter; without the gate, --select dapo)",
     "--no-dapo-filter": "--select without dapo",
     "--colocate": "--layout colocate",
 }}
