@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from agentrl.env.data import Game
 from agentrl.errors import UserError
+from agentrl.rollout.lockstep import Group
+from agentrl.rollout.trajectory import Trajectory
 from agentrl.select.base import StageStats
 
 SAMPLING = ("max_variance", "random")
@@ -211,9 +213,6 @@ class PilotCommit:
                            for e in self.buffer.values()]}
 
     def load_state_dict(self, state: dict) -> None:
-        from agentrl.rollout.lockstep import Group
-        from agentrl.rollout.trajectory import Trajectory
-
         self.evicted = set(state["evicted"])
         if "rng" in state:
             rng = state["rng"]
