@@ -11,6 +11,11 @@ import importlib.util
 import platform
 from dataclasses import dataclass
 
+from agentrl.config import SPLITS
+from agentrl.env.data import HOW_TO_GET, iter_game_files, resolve_data_root
+from agentrl.errors import UserError
+from agentrl.models import default_model_dir, is_prepared
+
 
 @dataclass
 class Check:
@@ -43,7 +48,7 @@ def check_python_and_torch() -> list[Check]:
 def check_vllm() -> Check:
     if importlib.util.find_spec("vllm") is None:
         return Check("vLLM (--sampler vllm)", "missing", "not installed", "pip install 'agentrl[vllm]' (needs a GPU)")
-    from agentrl.sampling.vllm import VLLM_SUPPORTED, vllm_supported
+    from agentrl.sampling.vllm import VLLM_SUPPORTED, vllm_supported  # torch: only where vLLM is installed
 
     def version(name: str) -> str:
         try:
@@ -60,8 +65,6 @@ def check_vllm() -> Check:
 
 
 def check_default_model() -> Check:
-    from agentrl.models import default_model_dir, is_prepared
-
     path = default_model_dir()
     if is_prepared(path):
         return Check("default model", "ok", f"SmolLM2-135M-Instruct at {path}")
@@ -69,10 +72,6 @@ def check_default_model() -> Check:
 
 
 def check_data(data=None) -> list[Check]:
-    from agentrl.config import SPLITS
-    from agentrl.env.data import HOW_TO_GET, iter_game_files, resolve_data_root
-    from agentrl.errors import UserError
-
     root = resolve_data_root(data)
     out = []
     for split in SPLITS:

@@ -28,7 +28,11 @@ import traceback
 from pathlib import Path
 
 from agentrl.config import load_config
+from agentrl.env import find_games
 from agentrl.io import read_jsonl
+from agentrl.models import load_model
+from agentrl.rollout.generator import Generator
+from agentrl.sampling.base import GenRequest, SamplingParams
 from agentrl.weights import WeightsRef
 
 
@@ -43,8 +47,7 @@ def _sizes(quick: bool) -> dict:
 def run_gpu_check(out: Path, device: str = "cuda", quick: bool = False, log=print) -> dict:
     import torch
 
-    from agentrl.models import load_model
-    from agentrl.sampling.hf import HFSampler
+    from agentrl.sampling.hf import HFSampler  # torch: cli/tools.py imports gpucheck at load
 
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(device), "quick": quick,
@@ -121,8 +124,6 @@ def _sync() -> None:
 
 
 def _throughput(sampler, tokenizer, size) -> dict:
-    from agentrl.sampling.base import GenRequest, SamplingParams
-
     prompt = tokenizer("You are in the middle of a room. Looking quickly around you, you see a cabinet 1.",
                        add_special_tokens=False).input_ids
     params = SamplingParams(temperature=1.0, max_new_tokens=size["new_tokens"])
@@ -146,8 +147,6 @@ def _lockstep(sampler, tokenizer, size) -> dict:
     """The shape of a training step (not 25-token prompts): `rows` trajectories of ~`context` tokens
     each append an observation and decode `new` tokens, `steps` times, with their KV kept."""
     import torch
-
-    from agentrl.sampling.base import GenRequest, SamplingParams
 
     rows, context, new, steps = size["shape"]
     text = ("You arrive at countertop 2. On the countertop 2, you see a butterknife 1, a cellphone 2, a mug 3, "
@@ -186,9 +185,6 @@ def _lockstep(sampler, tokenizer, size) -> dict:
 
 
 def _rollout(cfg, sampler, size, state) -> dict:
-    from agentrl.env import find_games
-    from agentrl.rollout.generator import Generator
-
     games = find_games("alfworld", "train", cfg.data.root, limit=size["tasks"])
     with Generator(cfg, sampler) as generator:  # the env workers, shut down after; the sampler stays ours
         rollout = generator.generate(games, size["group"], seed=0)
@@ -201,7 +197,7 @@ def _rollout(cfg, sampler, size, state) -> dict:
 
 
 def _learner(cfg, sampler, size, state, out: Path) -> dict:
-    from agentrl.train.remote import make_learner
+    from agentrl.train.remote import make_learner  # torch: cli/tools.py imports gpucheck at load
 
     rollout = state["rollout"]
     learner = make_learner(cfg)
@@ -235,7 +231,7 @@ def _second_gap(learner, sampler, cfg, size) -> dict:
 
 
 def _train(run: Path, device: str, learner_device: str | None, iterations: int, synthetic: bool) -> dict:
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import prepare_run, start_run, train  # torch: cli/tools.py imports gpucheck at load
 
     overrides = {"model.device": device, "learner.device": learner_device, "train.iterations": iterations,
                  "train.eval_every": iterations}
@@ -249,7 +245,7 @@ def _train(run: Path, device: str, learner_device: str | None, iterations: int, 
 
 
 def _train_real(out: Path, device: str, size) -> dict:
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import prepare_run, start_run, train  # torch: cli/tools.py imports gpucheck at load
     from agentrl.train.sft import run_sft
 
     ws = out / "warmstart"
@@ -284,7 +280,7 @@ def _run_summary(run: Path, wall: float) -> dict:
 
 
 def _vllm(cfg, tokenizer, size, state) -> dict:
-    from agentrl.sampling.vllm import VLLMSampler
+    from agentrl.sampling.vllm import VLLMSampler  # vllm: optional
 
     sampler = VLLMSampler.from_config(cfg, colocated=True)  # the hf model and the learner are still resident
     result = _throughput(sampler, tokenizer, size)

@@ -18,7 +18,8 @@ from scipy import stats as sps
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
-from agentrl.train.advantage import group_advantages
+from agentrl.specs import convergence_score
+from agentrl.train.advantage import Advantage, group_advantages
 
 REQUIRED = ("task_id", "task_type", "K", *SIGNALS, "rewards")
 D_L_GRID = tuple(round(x, 2) for x in np.arange(0.02, 0.601, 0.02))
@@ -85,8 +86,6 @@ def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
     `agentrl rollout` writes beside groups.csv; None when there is none."""
     from collections import defaultdict
     from types import SimpleNamespace
-
-    from agentrl.train.advantage import Advantage
 
     if not path.is_file():
         return None
@@ -159,8 +158,6 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
     same against all-fail groups only and against all-success groups only, and the best cut
     "score < t" at or above the precision floor (its threshold, size, precision, recall, safe
     saving). The OR-rule (d_K < t or termination_fraction >= tau) gets its best cut only."""
-    from agentrl.specs import convergence_score
-
     rng = np.random.default_rng(seed)
     rows = []
     for K in sorted(set(t.K.tolist())):

@@ -1,15 +1,19 @@
 """ALFWorld: game discovery and splits, the text-game env, action parsing."""
 
+from functools import partial
+
+from agentrl import cluster
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
 from agentrl.env.data import Game, discover_games, resolve_data_root
+from agentrl.env.pool import EnvPool, available_cores
+from agentrl.env.synthetic import SyntheticEnv, synthetic_games, synthetic_messages
+from agentrl.prompt import episode_messages
 
 
 def env_factory(kind: str):
     """The env class of `env.kind`: alfworld (real games) or synthetic (the learning check)."""
     if kind == "synthetic":
-        from agentrl.env.synthetic import SyntheticEnv
-
         return SyntheticEnv
     return AlfworldEnv
 
@@ -17,8 +21,6 @@ def env_factory(kind: str):
 def env_workers(workers: int | str, kind: str = "alfworld") -> int:
     """`env.workers` as a number. auto: one worker per core this process may use for ALFWorld;
     none for the synthetic task, whose env work is a string comparison."""
-    from agentrl.env.pool import available_cores
-
     if workers == "auto":
         return available_cores() if kind == "alfworld" else 0
     return int(workers)
@@ -29,20 +31,16 @@ def open_envs(cfg):
     With `cluster.ray_address`: the cluster is started or joined here, and the envs live in Ray
     actors (`env.workers auto` = the cluster's CPUs minus what sampler replicas and the learner reserve)."""
     if cfg.cluster.ray_address:
-        from agentrl import cluster
-
         cluster.connect_for(cfg)
         workers = cluster.env_actors(cfg)
         if workers <= 0:
             return None
-        from agentrl.env.ray_pool import RayEnvPool
+        from agentrl.env.ray_pool import RayEnvPool  # ray: only with --ray-address
 
         return RayEnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, env_overlap(cfg))
     workers = env_workers(cfg.env.workers, cfg.env.kind)
     if workers <= 0:
         return None
-    from agentrl.env.pool import EnvPool
-
     return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, env_overlap(cfg))
 
 
@@ -68,13 +66,7 @@ def prompt_messages(kind: str, prompt=None):
     """(task_type, first observation, prompt_dir) -> chat messages, for `env.kind` and the
     `prompt` config section (its example / reply variant)."""
     if kind == "synthetic":
-        from agentrl.env.synthetic import synthetic_messages
-
         return synthetic_messages
-    from functools import partial
-
-    from agentrl.prompt import episode_messages
-
     if prompt is None:
         return episode_messages
     return partial(episode_messages, example=prompt.example or "type", reply=prompt.reply or "react")
@@ -83,8 +75,6 @@ def prompt_messages(kind: str, prompt=None):
 def find_games(kind: str, split: str, data=None, task_types=(), limit: int | None = None) -> list[Game]:
     """The games of a split for `env.kind` (synthetic: generated, 1000 per split unless limited)."""
     if kind == "synthetic":
-        from agentrl.env.synthetic import synthetic_games
-
         return synthetic_games(split, limit or 1000)
     return discover_games(split, data, task_types, limit)
 

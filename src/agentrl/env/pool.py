@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from agentrl.cluster import available_cores  # noqa: F401 (where env_workers reads it)
-from agentrl.env.alfworld import GameLoadError, StepResult
+from agentrl.env.alfworld import GameLoadError, StepResult, warm_up
 from agentrl.env.data import Game
 
 
@@ -41,12 +41,10 @@ class Pending:
 
 
 def _worker(conn, kind: str) -> None:
-    from agentrl.env import env_factory
+    from agentrl.env import env_factory  # a cycle at load: agentrl.env imports this module
 
     make_env = env_factory(kind)
     if kind == "alfworld":  # import the engine now (while the parent loads its model), not at the first reset
-        from agentrl.env.alfworld import warm_up
-
         warm_up()
     envs: dict[int, object] = {}
     try:

@@ -15,24 +15,20 @@ from __future__ import annotations
 
 import time
 
-from agentrl.env.pool import EnvFailure, Pending, _Batches, share
+from agentrl.env import env_factory
+from agentrl.env.alfworld import warm_up
+from agentrl.env.pool import EnvFailure, Pending, _Batches, apply_batch, share
 
 
 class EnvActor:
     """Holds the envs of its games; `run` is one request (the body of a local pool worker)."""
 
     def __init__(self, kind: str):
-        from agentrl.env import env_factory
-
         self.make_env, self.envs = env_factory(kind), {}
         if kind == "alfworld":
-            from agentrl.env.alfworld import warm_up
-
             warm_up()
 
     def run(self, op: str, batch: list) -> list:
-        from agentrl.env.pool import apply_batch
-
         return apply_batch(self.envs, self.make_env, op, batch)
 
     def where(self) -> tuple[str, int]:

@@ -4,9 +4,6 @@ against the hf sampler's budget before anything is written. It renders a typical
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoConfig
-
 from agentrl.env import prompt_messages
 from agentrl.errors import UserError
 from agentrl.models import load_tokenizer, pick_device, pick_dtype, resolve_model
@@ -40,6 +37,9 @@ def check_kv_fits(cfg, rows: int, max_steps: int, what: str) -> None:
     together whose expected KV cache exceeds the budget (hf sampler only: vLLM manages its own)."""
     if cfg.sampling.backend != "hf" or rows <= 0 or cfg.env.kind != "alfworld":
         return
+    import torch  # torch, transformers: not at import (the CLI imports this module via evaluate)
+    from transformers import AutoConfig
+
     path = resolve_model(cfg.model.name)
     device = torch.device(pick_device(cfg.model.device))
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # what `auto` leaves to everything else: the learner's model, gradients and optimizer, env workers,
 # activations and Python (CPU); activations and the learner (GPU share)
@@ -15,6 +17,8 @@ AUTO_SHARE = 0.85
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory where the KV store lives: MemAvailable (cgroup limit respected) or the GPU's free memory."""
     if device.type == "cuda":
+        import torch  # torch: not at import (the CLI imports this module via rollout/plan.py)
+
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     avail = None

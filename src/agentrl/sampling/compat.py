@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from agentrl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # model types whose attention the engine serves exactly (transformers' own code, full causal
 # attention through the attention interface, a standard per-layer KV): tested on each
@@ -24,6 +27,8 @@ def kv_shape(config) -> tuple[int, int, int]:
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of keys and values that one token holds across all layers."""
+    import torch  # torch: not at import (the CLI imports this module via rollout/plan.py)
+
     layers, heads, head_dim = kv_shape(config)
     return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
 

@@ -35,7 +35,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
-from agentrl.models import quiet_peft
+from agentrl.models import load_model, quiet_peft
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
@@ -97,8 +97,6 @@ class HFSampler:
     @classmethod
     def from_config(cls, cfg, model=None, tokenizer=None, colocated: bool = False) -> "HFSampler":
         if model is None or tokenizer is None:
-            from agentrl.models import load_model
-
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter)

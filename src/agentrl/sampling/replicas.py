@@ -13,7 +13,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+from agentrl import cluster, sampling  # sampling.make_sampler looked up at call time, as the generator does
 from agentrl.errors import RunError, UserError
+from agentrl.io import read_tree, write_tree
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams
 from agentrl.weights import WeightsRef
 
@@ -24,12 +26,10 @@ class SamplerReplica:
     def __init__(self, cfg, colocated: bool = False, gpus: int = 0):
         import dataclasses
 
-        from agentrl.sampling import make_sampler
-
         device = "cuda" if gpus and str(cfg.model.device).startswith("cuda") else cfg.model.device  # Ray shows it one GPU
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device),
                                   sampling=dataclasses.replace(cfg.sampling, replicas=1))
-        self.sampler = make_sampler(cfg, colocated=colocated)
+        self.sampler = sampling.make_sampler(cfg, colocated=colocated)
         self.adapter_dir: str | None = None
 
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
@@ -37,8 +37,6 @@ class SamplerReplica:
 
     def load(self, files: dict[str, bytes], weights: WeightsRef) -> int | None:
         """Write the adapter's bytes to this node's disk and serve them as `weights.version`."""
-        from agentrl.io import write_tree
-
         path = write_tree(files, tempfile.mkdtemp(prefix=f"agentrl-adapter-v{weights.version}-"))
         self.sampler.load(WeightsRef(str(path), weights.version, weights.kind))
         if self.adapter_dir:
@@ -77,8 +75,6 @@ class ReplicatedSampler:
 
     def __init__(self, cfg, colocated: bool = False):
         import ray
-
-        from agentrl import cluster
 
         n = cfg.sampling.replicas
         gpus = replica_gpus(cfg, cluster.resources().get("GPU", 0))
@@ -129,8 +125,6 @@ class ReplicatedSampler:
     def load(self, weights: WeightsRef) -> None:
         import ray
 
-        from agentrl.io import read_tree
-
         files = ray.put(read_tree(weights.path))
         served = self._get([r.load.remote(files, weights) for r in self.replicas], "load")
         if any(v != weights.version for v in served):
@@ -164,8 +158,6 @@ class ReplicatedSampler:
 
 def check_replicas(cfg) -> None:
     """Refuse, with one line, more GPU replicas than the cluster has GPUs (call once connected)."""
-    from agentrl import cluster
-
     gpus = cluster.resources().get("GPU", 0)
     if replica_gpus(cfg, gpus) and cfg.sampling.replicas > gpus:
         raise UserError(f"sampling.replicas {cfg.sampling.replicas} needs {cfg.sampling.replicas} GPUs (one per replica); "

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from agentrl.errors import UserError
+from agentrl.models import load_tokenizer, resolve_model
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.hf import stop_token_ids
 from agentrl.weights import WeightsRef
@@ -108,8 +109,6 @@ class VLLMSampler:
         import types
 
         import vllm
-
-        from agentrl.models import load_tokenizer, resolve_model
 
         check_vllm_version(getattr(vllm, "__version__", None))
         path = resolve_model(cfg.model.name)

@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from agentrl.env.data import Game
+from agentrl.rollout.lockstep import Group
+from agentrl.rollout.trajectory import Trajectory
 from agentrl.select.base import StageStats, finite_number, settings_check
 
 SAMPLING = ("max_variance", "random")
@@ -205,9 +207,6 @@ class PilotCommit:
                            for e in self.buffer.values()]}
 
     def load_state_dict(self, state: dict) -> None:
-        from agentrl.rollout.lockstep import Group
-        from agentrl.rollout.trajectory import Trajectory
-
         self.evicted = set(state["evicted"])
         if "rng" in state:
             rng = state["rng"]

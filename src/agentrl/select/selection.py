@@ -9,37 +9,30 @@ from agentrl.rollout.lockstep import Rollout, RolloutStats
 from agentrl.rollout.trajectory import zero_advantage_tokens
 
 from agentrl.errors import UserError
-from agentrl.select import stage_names
+from agentrl.select import pilot_count, stage_names
+from agentrl.select.arrol_stage import ArrolStage
+from agentrl.select.cut import CutStage
+from agentrl.select.dapo import DapoFilter
+from agentrl.select.greso import Greso
+from agentrl.select.pilot_commit import PilotCommit
 
 
 def build_stage(name: str, cfg, sampler=None):
     s = cfg.select
     if name == "cut":
-        from agentrl.select.cut import CutStage
-
         return CutStage.from_spec(cfg.rollout.parsed_gate(), s.gate_audit, cfg.seed, cfg.gate)
     if name == "dapo":
-        from agentrl.select.dapo import DapoFilter
-
         return DapoFilter(s.dapo_refill)
     if name == "greso":
-        from agentrl.select.greso import Greso
-
         g = s.greso
         return Greso(seed=cfg.seed, p_start=g.p_init, target_easy=g.target / 3, target_hard=g.target * 2 / 3,
                      step=g.step, p_min=g.p_min, p_max=g.p_max, count_pilots=g.count_pilots)
     if name == "pilot-commit":
-        from agentrl.select.pilot_commit import PilotCommit
-
-        from agentrl.select import pilot_count
-
         p = s.pilot_commit
         return PilotCommit(n_p=pilot_count(cfg), pilot_factor=p.pilot_factor, low=p.low, high=p.high,
                            group_size=cfg.rollout.group_size, evict_at=p.evict_at, max_rounds=p.max_rounds,
                            max_age=p.max_age, sampling=p.sampling, seed=cfg.seed)
     if name == "arrol":
-        from agentrl.select.arrol_stage import ArrolStage
-
         if sampler is None or sampler.model is None:
             raise UserError("--select arrol reads the policy's hidden states: it needs the hf sampler (--sampler hf)")
         a = s.arrol

@@ -44,9 +44,12 @@ from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_text, read_jsonl
 from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
+from agentrl.select.selection import Selection
 from agentrl.stats import wilson
 from agentrl.train import checkpoint
 from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
+from agentrl.train.loggers import Loggers
+from agentrl.train.remote import LearnerDied, make_learner, resolve_layout
 from agentrl.weights import WeightsRef
 
 log = logging.getLogger(__name__)
@@ -156,8 +159,6 @@ class Metrics:
         kept = [json.dumps(row) + "\n" for row in rows if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration]
         atomic_write_text(self.path, "".join(kept))
         if self.log_to and self.loggers is None:
-            from agentrl.train.loggers import Loggers
-
             # from a checkpoint at `iteration` the loggers continue after it; else the run starts over
             self.loggers = Loggers(self.log_to, self.path.parent, self.cfg, start_iteration=max(0, iteration + 1))
 
@@ -224,15 +225,11 @@ class Hooks:
 def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = None, sampler=None, learner=None,
           tasks: TaskSampler | None = None) -> dict:
     """Run (or continue) a training run in `run`; return the last iteration's metrics line."""
-    from agentrl.train.remote import LearnerDied, make_learner
-
     hooks = hooks or Hooks()
     tasks = tasks or TaskSampler(cfg)
     owned = learner is None
     generator = None
     try:
-        from agentrl.train.remote import resolve_layout
-
         # the env workers start while the model loads; a sampler made here is closed with the generator
         generator = Generator(cfg, sampler, colocated=resolve_layout(cfg) == "colocate")
         learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
@@ -252,8 +249,6 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
 
 def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler, generator: Generator, learner,
           metrics: Metrics) -> dict:
-    from agentrl.select.selection import Selection
-
     sampler = generator.sampler
     selection = Selection(cfg, sampler, hooks.warn)  # the --select stages, their state restored on resume
     advantage = Advantage.of(cfg)  # --advantage with advantage.* and reward.*

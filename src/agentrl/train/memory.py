@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.errors import UserError
+from agentrl.models import load_tokenizer, pick_device, pick_dtype, resolve_model
+from agentrl.rollout.plan import expected_context_tokens
+from agentrl.sampling.budget import available_memory_bytes
+from agentrl.sampling.compat import kv_bytes_per_token, kv_shape, text_config
 
 SAFETY = 1.3
 LOGIT_COPIES = 3  # a chunk's fp32 logits, its log-softmax, and their gradient
@@ -49,8 +53,6 @@ class LearnerMemory:
 
 def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing: bool) -> int:
     """Activations one token keeps for backward across the model (the module docstring's count)."""
-    from agentrl.sampling.compat import kv_shape, text_config
-
     c = text_config(config)
     layers, kv_heads, head_dim = kv_shape(config)
     h, i, kv = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size), kv_heads * head_dim
@@ -61,8 +63,6 @@ def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing:
 
 def lora_params(config, r: int, target_modules) -> int:
     """Trainable parameters of a LoRA of rank r on these modules of a Llama-style decoder."""
-    from agentrl.sampling.compat import kv_shape, text_config
-
     c = text_config(config)
     layers, kv_heads, head_dim = kv_shape(config)
     h, i = c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size)
@@ -83,10 +83,6 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
     """The learner's expected peak for this run's settings (see the module docstring)."""
     import torch
     from transformers import AutoConfig
-
-    from agentrl.models import load_tokenizer, pick_device, pick_dtype, resolve_model
-    from agentrl.rollout.plan import expected_context_tokens
-    from agentrl.sampling.compat import kv_bytes_per_token
 
     path = resolve_model(cfg.model.name)
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
@@ -117,9 +113,6 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     """Refuse, with one line and before anything is written, a run whose learner is expected to
     need more memory than its device has free (ALFWorld runs; vLLM beside it on one GPU: vLLM's budget decides)."""
     import torch
-
-    from agentrl.models import pick_device
-    from agentrl.sampling.budget import available_memory_bytes
 
     device = cfg.learner.device or pick_device(cfg.model.device)
     if cfg.env.kind != "alfworld":  # the expected episode length is ALFWorld's (as the KV check's)

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from agentrl.errors import UserError
 from agentrl.io import read_jsonl_numbered
+from agentrl.models import load_model
 from agentrl.rollout.signals import SIGNALS, Trace, signals_at
 from agentrl.rollout.trajectory import GroupOutcome
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
@@ -35,6 +37,8 @@ from agentrl.select.cut import gate_rule
 from agentrl.select.gate_rule import GateRule
 from agentrl.specs import GateSpec, parse_gate
 from agentrl.train.advantage import group_advantages
+from agentrl.train.learner import build_learner
+from agentrl.train.loss import token_logprobs
 
 ARMS = ("baseline", "gated")
 D_K = "prefix_edit_distance_mean"
@@ -292,16 +296,12 @@ def build_batch(buffer: Sequence[BufferGroup], step: StepPlan, cut: Sequence[boo
 # ---------------------------------------------------------------- the A/B
 def _default_loader(cfg) -> Callable[[], object]:
     def load():
-        from agentrl.models import load_model
-
         return load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)[0]
 
     return load
 
 
 def _sync(device) -> None:
-    import torch
-
     if getattr(device, "type", None) == "cuda":
         torch.cuda.synchronize(device)
 
@@ -309,10 +309,6 @@ def _sync(device) -> None:
 def _warm_up(learner, view: TrainView) -> None:
     """One forward/backward without an optimizer step, so one-off start-up cost (kernels, allocator)
     lands in neither arm's timing. The weights and the optimizer state do not change."""
-    import torch
-
-    from agentrl.train.loss import token_logprobs
-
     learner.model.train()
     ids = torch.tensor([view.token_ids], device=learner.device)
     logp = token_logprobs(learner.model, ids, torch.ones_like(ids))
@@ -422,8 +418,6 @@ def run_offpolicy_ab(
     `progress(arm, step, steps, row)` is called after every step. Arms run one after the other;
     each arm's model is released before the next loads.
     """
-    from agentrl.train.learner import build_learner
-
     gate = parse_gate(gate) if isinstance(gate, str) else gate
     _check_ab(cfg, buffer, steps, groups_per_step, positions, gate, arms)
     rule = gate_rule(gate) if gate is not None else None
@@ -443,8 +437,6 @@ def run_offpolicy_ab(
         del learner
         gc.collect()
         try:
-            import torch
-
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         except Exception:  # pragma: no cover - best effort
