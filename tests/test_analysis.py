@@ -141,3 +141,24 @@ def test_signal_table_ranks_each_signal_against_each_outcome_kind(tmp_path):
     d_l, tau_h = (float(x.split("<" if "<" in x else ">=")[1]) for x in row["or_rule"]["best_threshold"].split(" or "))
     assert 0.05 < d_l <= 0.3 and 0.5 < tau_h <= 1.0  # a rule that cuts f1, f2 (d_K) and s1 (tau), never i2
     assert (tmp_path / "out" / "signals.csv").stat().st_size > 0
+
+
+def test_the_classifier_row_reads_the_signals_together(tmp_path):
+    """Constructed: a group is zero-variance when d_K + obs_unique_ratio < 0.8 and informative when
+    it is > 1.2 (a diagonal boundary). Each signal alone overlaps; the cross-fitted classifier on
+    the seven ranks every group right, so it beats both and cuts at full precision."""
+    path = tmp_path / "g.csv"
+    grid = [round(0.05 + 0.1 * i, 2) for i in range(10)]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
+        w.writeheader()
+        for i, (d, obs) in enumerate((d, o) for d in grid for o in grid if abs(d + o - 1.0) > 0.2):
+            rewards = "1;0" if d + obs > 1.0 else ("0;0" if i % 2 else "1;1")
+            w.writerow({s: 0.5 for s in SIGNALS} | {"prefix_edit_distance_mean": d, "obs_unique_ratio": obs,
+                       "termination_fraction": 0.0, "task_id": f"t{i}", "task_type": "look_at_obj_in_light", "K": 5,
+                       "rewards": rewards, "cut": 0, "steps_generated": 10})
+    row = {r["signal"]: r for r in analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8).signals}
+    combined, d, obs = row["classifier"], row["prefix_edit_distance_mean"], row["obs_unique_ratio"]
+    assert d["auroc"] < 1.0 and obs["auroc"] < 1.0
+    assert combined["auroc"] == 1.0 and combined["best_precision"] == 1.0
+    assert combined["best_cut"] == combined["N"] - combined["informative"]  # every zero-variance group, nothing else

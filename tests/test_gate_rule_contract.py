@@ -1,7 +1,8 @@
 """The GateRule contract (agentrl.select.gate_rule), checked on every rule a `--gate` spec builds:
 
 - "threshold": `K,d_L`, the fixed CUT_{K,d_L} (with and without the OR-rule);
-- "auto": `K,auto`, the threshold fitted online from labelled groups (select/auto_gate.py).
+- "auto": `K,auto`, the threshold fitted online from labelled groups (select/auto_gate.py);
+- "classifier": `K,auto:S1+S2`, a logistic classifier on several signals (select/classifier_gate.py).
 
 A rule decides from a group's seven signals at K alone (same signals and state, same answer),
 learns only through `learn`, and survives a checkpoint: a fresh rule from the same spec loaded
@@ -30,6 +31,8 @@ RULES = {
     "threshold-or-tau": ("3,0.3", 0.75, False),
     "auto": ("3,auto", None, True),
     "auto-entropy": ("3,auto:entropy", None, True),
+    "classifier": ("3,auto:d+obs", None, True),
+    "classifier-3": ("3,auto:entropy+bigram+obs", None, True),
 }
 AUTO = GateConfig(precision=0.8, min_labels=20)
 

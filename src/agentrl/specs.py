@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from agentrl.errors import UserError
 
 _SPEC = re.compile(r"^\s*(\d+)\s*,\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*$")
-_AUTO = re.compile(r"^\s*(\d+)\s*,\s*auto\s*(?::\s*([a-z_]+)\s*)?$")
+_AUTO = re.compile(r"^\s*(\d+)\s*,\s*auto\s*(?::\s*([a-z_+ ]+?)\s*)?$")
 
 # the seven signals (agentrl.rollout.signals.SIGNALS); a group has converged when a divergence is low
 # or, for termination_fraction, when much of it has finished: the gate scores "converged" as a low value
 SIGNAL_NAMES = ("prefix_edit_distance_mean", "action_bigram_jaccard_mean", "unique_prefix_ratio", "unique_action_ratio",
                 "action_entropy", "obs_unique_ratio", "termination_fraction")
-_SHORT = {"d_k": "prefix_edit_distance_mean", "bigram": "action_bigram_jaccard_mean", "prefixes": "unique_prefix_ratio",
+_SHORT = {"d": "prefix_edit_distance_mean", "d_k": "prefix_edit_distance_mean", "bigram": "action_bigram_jaccard_mean", "prefixes": "unique_prefix_ratio",
           "actions": "unique_action_ratio", "entropy": "action_entropy", "obs": "obs_unique_ratio",
           "tau": "termination_fraction"}
 
@@ -40,6 +40,7 @@ class GateSpec:
     tau_H: float | None = None  # OR-rule threshold on termination_fraction; None = off
     auto: bool = False  # `K,auto`: d_L is re-fitted online from labelled groups (agentrl.select.auto_gate)
     signal: str = "prefix_edit_distance_mean"  # what d_L thresholds (`K,auto:SIGNAL`; d_K by default)
+    signals: tuple[str, ...] = ()  # `K,auto:S1+S2+...`: the signals a classifier gate reads (select/classifier_gate.py)
 
     def __post_init__(self):
         if self.K < 1:
@@ -50,9 +51,11 @@ class GateSpec:
             raise UserError(f"gate tau_H must be in [0, 1], got {self.tau_H}")
         if self.signal not in SIGNAL_NAMES:
             raise UserError(f"unknown gate signal {self.signal!r}; choose from {', '.join(SIGNAL_NAMES)}")
+        if len(self.signals) == 1 or len(set(self.signals)) != len(self.signals):
+            raise UserError(f"a classifier gate reads two or more distinct signals, got {'+'.join(self.signals)}")
 
     def __str__(self) -> str:
-        return gate_text(self.K, self.d_L, self.tau_H, self.auto, self.signal)
+        return gate_text(self.K, self.d_L, self.tau_H, self.auto, "+".join(self.signals) or self.signal)
 
 
 def gate_text(K: int, d_L: float, tau_H: float | None, auto: bool = False, signal: str = SIGNAL_NAMES[0]) -> str:
@@ -67,6 +70,7 @@ def gate_text(K: int, d_L: float, tau_H: float | None, auto: bool = False, signa
 
 def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
     """'K,d_L' -> GateSpec; 'K,auto' or 'K,auto:SIGNAL' -> an auto gate (cuts nothing until fitted);
+    'K,auto:S1+S2+...' -> a classifier gate on those signals;
     'off' / None -> no gate."""
     if spec is None or spec.strip().lower() in ("off", "none", ""):
         if tau_H is not None:
@@ -74,12 +78,14 @@ def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
         return None
     auto = _AUTO.match(spec.strip().lower())
     if auto:
-        name = auto.group(2) or SIGNAL_NAMES[0]
-        name = _SHORT.get(name, name)
-        if name not in SIGNAL_NAMES:
-            raise UserError(f"unknown gate signal {auto.group(2)!r} in {spec!r}; choose from "
-                            f"{', '.join(SIGNAL_NAMES)} (or d_K, bigram, prefixes, actions, entropy, obs, tau)")
-        return GateSpec(int(auto.group(1)), 0.0, tau_H, auto=True, signal=name)
+        names = [n.strip() for n in (auto.group(2) or SIGNAL_NAMES[0]).split("+")]
+        names = [_SHORT.get(n, n) for n in names]
+        for given, name in zip((auto.group(2) or "").split("+"), names):
+            if name not in SIGNAL_NAMES:
+                raise UserError(f"unknown gate signal {given.strip()!r} in {spec!r}; choose from "
+                                f"{', '.join(SIGNAL_NAMES)} (or d, d_K, bigram, prefixes, actions, entropy, obs, tau)")
+        return GateSpec(int(auto.group(1)), 0.0, tau_H, auto=True, signal=names[0],
+                        signals=tuple(names) if len(names) > 1 else ())
     m = _SPEC.match(spec)
     if not m:
         raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12), K,auto or off")

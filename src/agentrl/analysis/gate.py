@@ -18,6 +18,7 @@ from scipy import stats as sps
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
+from agentrl.select.classifier_gate import FOLDS, cross_fitted
 from agentrl.specs import convergence_score
 from agentrl.train.advantage import Advantage, group_advantages
 
@@ -157,7 +158,11 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
     groups above zero-variance ones) its AUROC with a 95% percentile bootstrap over groups, the
     same against all-fail groups only and against all-success groups only, and the best cut
     "score < t" at or above the precision floor (its threshold, size, precision, recall, safe
-    saving). The OR-rule (d_K < t or termination_fraction >= tau) gets its best cut only."""
+    saving). The OR-rule (d_K < t or termination_fraction >= tau) gets its best cut only.
+    "classifier": the seven signals together, as `--gate K,auto:S1+...+S7` would read them: each
+    group scored 1 - P(zero variance) by a logistic regression fitted on the other folds (5-fold
+    cross-fitting, so its AUROC and cut are not read off the labels it was fitted on; the bootstrap
+    resamples those scores, not the fit)."""
     rng = np.random.default_rng(seed)
     rows = []
     for K in sorted(set(t.K.tolist())):
@@ -167,17 +172,22 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
         all_fail, all_success = ~pos & (first == 0), ~pos & (first > 0)
         n = len(pos)
         draws = rng.integers(0, n, size=(resamples, n)) if n else np.zeros((0, 0), dtype=int)
-        for name in SIGNALS:
-            score = np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])
+        def score_row(name: str, score: np.ndarray) -> dict:
             boot = [auroc(score[i], pos[i]) for i in draws]
             boot = [b for b in boot if b == b]
             best = best_cut(sub, score, t_max, K, precision_floor)
-            rows.append({"K": K, "signal": name, "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
-                         "all_success": int(all_success.sum()), "auroc": auroc(score, pos),
-                         "auroc_ci95_low": float(np.quantile(boot, 0.025)) if boot else float("nan"),
-                         "auroc_ci95_high": float(np.quantile(boot, 0.975)) if boot else float("nan"),
-                         "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
-                         "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best})
+            return {"K": K, "signal": name, "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
+                    "all_success": int(all_success.sum()), "auroc": auroc(score, pos),
+                    "auroc_ci95_low": float(np.quantile(boot, 0.025)) if boot else float("nan"),
+                    "auroc_ci95_high": float(np.quantile(boot, 0.975)) if boot else float("nan"),
+                    "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
+                    "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best}
+
+        for name in SIGNALS:
+            rows.append(score_row(name, np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])))
+        if n >= 2 * FOLDS and 0 < pos.sum() < n:  # the seven together: the classifier gate's score, cross-fitted
+            X = np.column_stack([sub.signals[name] for name in SIGNALS])
+            rows.append(score_row("classifier", 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))))
         d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
         cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]
         best = max((dict(cut_row(sub, c, K, 0.0, t_max), rule=label) for c, label in cuts if c.any()),

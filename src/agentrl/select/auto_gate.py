@@ -78,6 +78,15 @@ def fit_threshold(labels: list[Label], precision: float, min_labels: int, min_su
     return Fit(float(t), n, float(below_wz[j] / below_w[j]), float(below_w[j] / w.sum()))
 
 
+def audit_report(audits: list[tuple[int, bool]]) -> dict:
+    """The audit's live precision: the share of audited would-cut groups (iteration, ended
+    zero-variance) that ended zero-variance, with its 95% Wilson interval."""
+    zero = sum(z for _, z in audits)
+    ci = wilson(zero, len(audits))
+    return {"audited": len(audits), "precision_audit": round(zero / len(audits), 4) if audits else None,
+            "precision_audit_ci95": [round(ci[0], 4), round(ci[1], 4)] if ci else None}
+
+
 class AutoThreshold:
     """The labels seen so far and the threshold fitted on them (state saved in checkpoints)."""
 
@@ -112,14 +121,10 @@ class AutoThreshold:
         """What metrics, the console and TensorBoard show: the d_L in force, the labels behind it,
         its fitted precision and the audit's live precision (share of audited would-cut groups that
         ended zero-variance, over the window) with its 95% Wilson interval."""
-        audits = self._recent(self.audits, self._at, lambda a: a[0])
-        zero = sum(z for _, z in audits)
-        ci = wilson(zero, len(audits))
         return {"d_L": round(self.fit.d_L, 6), "labelled": self.fit.labelled,
                 "precision_fit": None if self.fit.precision is None else round(self.fit.precision, 4),
                 "cut_share_fit": round(self.fit.cut_share, 4),
-                "audited": len(audits), "precision_audit": round(zero / len(audits), 4) if audits else None,
-                "precision_audit_ci95": [round(ci[0], 4), round(ci[1], 4)] if ci else None}
+                **audit_report(self._recent(self.audits, self._at, lambda a: a[0]))}
 
     def state_dict(self) -> dict:
         return {"labels": [asdict(lb) for lb in self.labels], "audits": [list(a) for a in self.audits],
@@ -170,12 +175,17 @@ class FittedThreshold:
 
 def read_warmup(path: Path, K: int, signal: str) -> list[Label]:
     """Labels from a groups table (groups.csv): the rows at K of groups that ran to the end."""
+    return [Label(0, convergence_score(signal, row), zero, 1.0) for row, zero in read_warmup_rows(path, K, (signal,))]
+
+
+def read_warmup_rows(path: Path, K: int, signals: Sequence[str]) -> list[tuple[dict[str, float], bool]]:
+    """(the `signals` at K, ended zero-variance) of each group of a groups table that ran to the end."""
     if not path.is_file():
         raise UserError(f"gate.warmup: groups table not found: {path}")
     out = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in ("K", signal, "rewards") if c not in (reader.fieldnames or [])]
+        missing = [c for c in ("K", *signals, "rewards") if c not in (reader.fieldnames or [])]
         if missing:
             raise UserError(f"gate.warmup: {path} lacks the columns {', '.join(missing)} (a groups.csv of `agentrl rollout`)")
         for line, row in enumerate(reader, start=2):
@@ -183,15 +193,16 @@ def read_warmup(path: Path, K: int, signal: str) -> list[Label]:
                 if int(row["K"]) != K or row.get("cut", "0") not in ("0", "", "False"):
                     continue  # a cut group never ended: no label
                 rewards = [float(x) for x in row["rewards"].split(";")]
-                score = convergence_score(signal, {signal: float(row[signal])})
+                values = {s: float(row[s]) for s in signals}
             except (TypeError, ValueError) as e:
                 raise UserError(f"gate.warmup: {path}:{line}: bad value ({e})") from None
-            if not math.isfinite(score) or len(rewards) < 2:
+            if not all(math.isfinite(v) for v in values.values()) or len(rewards) < 2:
                 raise UserError(f"gate.warmup: {path}:{line}: bad row")
-            out.append(Label(0, score, len(set(rewards)) == 1, 1.0))
+            out.append((values, len(set(rewards)) == 1))
     if not out:
         raise UserError(f"gate.warmup: {path} has no uncut group at K={K}: record it with --gate off and K in rollout.signal_steps")
     return out
 
 
-__all__ = ["AutoThreshold", "Fit", "FittedThreshold", "Label", "fit_threshold", "read_warmup", "wilson"]
+__all__ = ["AutoThreshold", "Fit", "FittedThreshold", "Label", "audit_report", "fit_threshold", "read_warmup",
+           "read_warmup_rows", "wilson"]

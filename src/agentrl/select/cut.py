@@ -16,7 +16,8 @@ from pathlib import Path
 
 from agentrl.config import GateConfig
 from agentrl.rollout.lockstep import row_seed
-from agentrl.select.auto_gate import FittedThreshold, read_warmup
+from agentrl.select.auto_gate import FittedThreshold, read_warmup, read_warmup_rows
+from agentrl.select.classifier_gate import ClassifierGate, Example
 from agentrl.select.base import StageStats
 from agentrl.select.gate_rule import GateLabel, GateRule, Threshold
 from agentrl.specs import GateSpec
@@ -28,6 +29,10 @@ def gate_rule(spec: GateSpec, auto: GateConfig | None = None) -> GateRule:
     if not spec.auto:
         return Threshold(spec.K, spec.d_L, spec.tau_H, spec.signal)
     a = auto or GateConfig()
+    if spec.signals:  # K,auto:S1+S2+...: a classifier on several signals
+        rows = read_warmup_rows(Path(a.warmup), spec.K, spec.signals) if a.warmup else []
+        warm = [Example(0, tuple(row[s] for s in spec.signals), zero, 1.0) for row, zero in rows]
+        return ClassifierGate(spec.K, spec.signals, spec.tau_H, a.precision, a.min_labels, a.window, warm)
     warmup = read_warmup(Path(a.warmup), spec.K, spec.signal) if a.warmup else None
     return FittedThreshold(spec.K, spec.signal, spec.tau_H, a.precision, a.min_labels, a.window, warmup)
 
