@@ -95,9 +95,9 @@ def compact(state: DecodeState, alive: list[int], store: SlotStore, n: int) -> N
     if state.span is None:
         state.active, state.span = alive, span_of([state.row_slots[r] for r in alive])
     else:
-        row_slots, edge = state.row_slots, state.span + len(alive)
+        row_slots, edge, kept = state.row_slots, state.span + len(alive), set(alive)
         misplaced = [r for r in alive if row_slots[r] >= edge]
-        holes = [r for r in state.active if r not in set(alive) and row_slots[r] < edge]
+        holes = [r for r in state.active if r not in kept and row_slots[r] < edge]
         for r, d in zip(misplaced, holes):
             store.swap(row_slots[r], row_slots[d], n)
             row_slots[r], row_slots[d] = row_slots[d], row_slots[r]

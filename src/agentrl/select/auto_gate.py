@@ -78,6 +78,11 @@ def fit_threshold(labels: list[Label], precision: float, min_labels: int, min_su
     return Fit(float(t), n, float(below_wz[j] / below_w[j]), float(below_w[j] / w.sum()))
 
 
+def recent(items: list, iteration: int, window: int, key) -> list:
+    """The items of the last `window` iterations up to `iteration` (`key`: an item's iteration; window 0: all)."""
+    return [x for x in items if not window or key(x) > iteration - window]
+
+
 def audit_report(audits: list[tuple[int, bool]]) -> dict:
     """The audit's live precision: the share of audited would-cut groups (iteration, ended
     zero-variance) that ended zero-variance, with its 95% Wilson interval."""
@@ -107,12 +112,9 @@ class AutoThreshold:
         if audited:
             self.audits.append((iteration, bool(zero)))
 
-    def _recent(self, items, iteration: int, key):
-        return [x for x in items if not self.window or key(x) > iteration - self.window]
-
     def refit(self, iteration: int) -> Fit:
         """Fit on the labels of the window ending at `iteration` (the next iteration uses it)."""
-        self.fit = fit_threshold(self._recent(self.labels, iteration, lambda lb: lb.iteration), self.precision,
+        self.fit = fit_threshold(recent(self.labels, iteration, self.window, lambda lb: lb.iteration), self.precision,
                                  self.min_labels)
         self._at = iteration
         return self.fit
@@ -124,7 +126,7 @@ class AutoThreshold:
         return {"d_L": round(self.fit.d_L, 6), "labelled": self.fit.labelled,
                 "precision_fit": None if self.fit.precision is None else round(self.fit.precision, 4),
                 "cut_share_fit": round(self.fit.cut_share, 4),
-                **audit_report(self._recent(self.audits, self._at, lambda a: a[0]))}
+                **audit_report(recent(self.audits, self._at, self.window, lambda a: a[0]))}
 
     def state_dict(self) -> dict:
         return {"labels": [asdict(lb) for lb in self.labels], "audits": [list(a) for a in self.audits],
@@ -205,4 +207,4 @@ def read_warmup_rows(path: Path, K: int, signals: Sequence[str]) -> list[tuple[d
 
 
 __all__ = ["AutoThreshold", "Fit", "FittedThreshold", "Label", "audit_report", "fit_threshold", "read_warmup",
-           "read_warmup_rows", "wilson"]
+           "read_warmup_rows", "recent", "wilson"]

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import minimize
 
-from agentrl.select.auto_gate import Fit, Label, audit_report, fit_threshold
+from agentrl.select.auto_gate import Fit, Label, audit_report, fit_threshold, recent
 from agentrl.select.gate_rule import GateLabel
 from agentrl.specs import gate_text
 
@@ -113,9 +113,8 @@ class ClassifierGate:
         return self.fit.d_L
 
     def fires(self, signals: Mapping[str, float]) -> bool:
-        if self.model is not None and self.fit.d_L > 0:
-            if 1.0 - float(self.model.p(np.array([self._x(signals)]))[0]) < self.fit.d_L:
-                return True
+        if self.model is not None and 1.0 - float(self.model.p(np.array([self._x(signals)]))[0]) < self.fit.d_L:
+            return True  # (a model exists only with a cut: d_L > 0)
         return self.tau_H is not None and signals["termination_fraction"] >= self.tau_H
 
     def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
@@ -126,12 +125,9 @@ class ClassifierGate:
                 self.audits.append((iteration, bool(lb.zero_variance)))
         self.refit(iteration)
 
-    def _recent(self, items, iteration: int, key):
-        return [x for x in items if not self.window or key(x) > iteration - self.window]
-
     def refit(self, iteration: int) -> None:
         self._at = iteration
-        ex = self._recent(self.examples, iteration, lambda e: e.iteration)
+        ex = recent(self.examples, iteration, self.window, lambda e: e.iteration)
         self.model, self.fit = None, Fit(0.0, len(ex), None, 0.0)
         y = np.array([e.zero for e in ex], dtype=float)
         if len(ex) < max(1, self.min_labels) or len(set(y.tolist())) < 2:
@@ -151,7 +147,7 @@ class ClassifierGate:
                 "labelled": self.fit.labelled,
                 "precision_fit": None if self.fit.precision is None else round(self.fit.precision, 4),
                 "cut_share_fit": round(self.fit.cut_share, 4),
-                **audit_report(self._recent(self.audits, self._at, lambda a: a[0]))}
+                **audit_report(recent(self.audits, self._at, self.window, lambda a: a[0]))}
 
     def state_dict(self) -> dict:
         return {"examples": [asdict(e) | {"x": list(e.x)} for e in self.examples],
