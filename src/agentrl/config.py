@@ -96,6 +96,9 @@ class SamplingConfig:
     # hf: serve the adapter merged into the weights (fewer ops per token: 1.07-1.15x on CPU); in bf16
     # the sampler's log-probs then sit a little further from the learner's (measured: docs/gpu.md)
     merge_adapter: bool = True
+    # hf: the decode step over static buffers, captured as CUDA graphs (one launch per token);
+    # auto = on where CUDA is, on = also on a CPU (run eagerly: the same step, for tests), off = eager loop
+    static_decode: str = "auto"
 
 
 @dataclass
@@ -377,6 +380,7 @@ def _check_sampling(c: Config) -> Checks:
         (s.max_loras >= 1, f"sampling.max_loras must be >= 1, got {s.max_loras}"),
         (s.kv_budget_gb == "auto" or (not isinstance(s.kv_budget_gb, (str, bool)) and s.kv_budget_gb > 0),
          f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {s.kv_budget_gb!r}"),
+        (s.static_decode in ("auto", "on", "off"), f"sampling.static_decode must be auto, on or off, got {s.static_decode!r}"),
     ]
 
 

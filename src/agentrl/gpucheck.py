@@ -63,7 +63,7 @@ def run_gpu_check(out: Path, device: str = "cuda", quick: bool = False, log=prin
     state: dict = {}
 
     section("throughput", lambda: _throughput(sampler, tokenizer, size))
-    section("lockstep", lambda: _lockstep(sampler, tokenizer, size))
+    section("lockstep", lambda: _lockstep_graphs_on_off(sampler, tokenizer, size))
     section("rollout", lambda: _rollout(base_cfg, sampler, size, state))
     section("learner", lambda: _learner(base_cfg, sampler, size, state, out))
     section("train_synthetic", lambda: _train(out / "synthetic", device, None, size["synth_iterations"], synthetic=True))
@@ -141,6 +141,27 @@ def _throughput(sampler, tokenizer, size) -> dict:
     finally:
         sampler.stop_ids = stops
     return {"tokens_per_s_by_batch": rows, "new_tokens": size["new_tokens"]}
+
+
+def _lockstep_graphs_on_off(sampler, tokenizer, size) -> dict:
+    """The lockstep step with the captured decode step (sampling.static_decode; on CUDA by default)
+    and with the eager token loop, side by side on the same sampler and shapes."""
+    result = {}
+    static = sampler.static
+    try:
+        for name, decoder in (("graphs", static), ("eager", None)):
+            if name == "graphs" and decoder is None:
+                continue
+            sampler.static = decoder
+            run = _lockstep(sampler, tokenizer, size)
+            run["ms_per_token_step"] = round(1000 * run["s_per_step"] / run["new_tokens"], 2)  # the observation's prefill included
+            if decoder is not None:
+                run["graphs_captured"] = decoder.captures
+            result[name] = run
+    finally:
+        sampler.static = static
+    main = result.get("graphs", result["eager"])
+    return {**main, "by_decode": result}
 
 
 def _lockstep(sampler, tokenizer, size) -> dict:

@@ -134,11 +134,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
+def row_uniforms(seeds: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
     """One uniform in (0, 1) per row, a pure function of (seed, token index t): 48 bits from two hashes
-    (float64). The same on every device and whatever the batch."""
+    (float64). The same on every device and whatever the batch. `t` may be a device scalar (the
+    captured step's counter) or one index per row."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(seeds, t) ^ 0x9E3779B9)))
+    index = torch.full_like(seeds, t) if isinstance(t, int) else t.expand_as(seeds)
+    key = _mix32(lo ^ _mix32(hi ^ _mix32(index ^ 0x9E3779B9)))
     a = _mix32(key ^ 0x85EBCA6B) >> 8  # 24 bits
     b = _mix32(key ^ 0xC2B2AE35) >> 8  # 24 more
     return ((a * (1 << 24) + b).double() + 0.5) / float(1 << 48)
@@ -149,11 +151,18 @@ def choose(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, t:
     (top-p: the smallest set of most likely tokens reaching top_p) with the row's own uniform."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    return sample(logits, seeds, t, params.temperature, params.top_p if params.top_p < 1.0 else None)
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, t: int | torch.Tensor, temperature: float | torch.Tensor,
+           top_p: float | torch.Tensor | None) -> torch.Tensor:
+    """`choose`'s sampling, its values either Python numbers or device scalars (the captured step's
+    static buffers: the same arithmetic, so the same tokens). `top_p` None: no nucleus cut."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = None
-    if params.top_p < 1.0:
+    if top_p is not None:
         probs, order = probs.sort(dim=-1, descending=True)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs > params.top_p, 0.0)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
     cdf = probs.cumsum(-1)
     u = row_uniforms(seeds, t) * cdf[:, -1]
     # the first token whose CDF reaches u: never one of zero probability (u > 0, flat steps are skipped)

@@ -41,6 +41,7 @@ from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
 from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, use_slot_attention
+from agentrl.sampling.static import StaticDecoder, decode_static
 from agentrl.weights import WeightsRef
 
 __all__ = ["HFSampler", "cache_kwarg", "row_uniforms", "stop_token_ids"]  # row_uniforms: decode.py's, re-exported
@@ -67,7 +68,8 @@ def cache_kwarg(model) -> str:
 
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
-                 kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True):
+                 kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
+                 static_decode: str = "auto"):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -80,7 +82,11 @@ class HFSampler:
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
         self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
         param = next(model.parameters())
-        self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device))
+        # the captured decode step (static.py): auto = on where CUDA is; "on" runs the same step eagerly on a CPU
+        on = static_decode == "on" or (static_decode == "auto" and param.device.type == "cuda")
+        self.static = StaticDecoder(capture=param.device.type == "cuda") if on else None
+        self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device),
+                               hold_still=on)
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
@@ -99,7 +105,8 @@ class HFSampler:
         if model is None or tokenizer is None:
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
-                   kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter)
+                   kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
+                   static_decode=cfg.sampling.static_decode)
 
     @property
     def device(self) -> torch.device:
@@ -128,6 +135,8 @@ class HFSampler:
             else:
                 with quiet_peft():
                     self.model = PeftModel.from_pretrained(self.model, str(p), adapter_name=name, is_trainable=False)
+                if self.static:
+                    self.static.forget()  # a new model object: steps are rebuilt around it (once)
         except (RuntimeError, ValueError, KeyError) as e:
             self._merge()  # the previous adapter stays, as it was served
             first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
@@ -136,6 +145,10 @@ class HFSampler:
         self.model.eval()
         self.adapter_version = version
         self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
+
+    def _serves_merged(self) -> bool:
+        """The weights served are plain tensors (no adapter, or one merged): what a captured step can replay."""
+        return all(m.merged for _, m in self._lora_layers())
 
     def _lora_layers(self) -> list:
         if not isinstance(self.model, PeftModel):
@@ -235,9 +248,12 @@ class HFSampler:
         return self._completions(state, prompts, names)
 
     def _decode(self, state: DecodeState, params: SamplingParams) -> None:
-        """The token loop: a decode step per token, host syncs (and compaction) every `sync_every`."""
+        """The token loop: a decode step per token, host syncs (and compaction) every `sync_every`.
+        With static decoding on, the same loop over static steps (static.py; captured on CUDA)."""
         T, device, stop = params.max_new_tokens, self.device, self._stop_tensor
         every = self.sync_every or (1 if device.type == "cpu" else 8)  # a host sync is free on a CPU
+        if self.static is not None and state.span is not None and self._serves_merged():
+            return decode_static(self, state, params, every)
         for t in range(T):
             decode_step(state, t, params, stop)
             if t == T - 1:

@@ -20,6 +20,12 @@ attention is a function registered through transformers' `AttentionInterface` ("
 SDPA over the slot rows with a mask of per-row lengths built on the device, query heads grouped
 per KV head, so K and V are never copied out to every query head (SmolLM2: 3 KV heads serve 9).
 
+A store that holds still (`hold_still`, the captured decode step's: a CUDA graph records buffer
+addresses) never shrinks when sequences end, grows its capacity in larger steps, keeps its last
+slot as a scratch row that padding rows of a static batch write into, and leaves room after every
+batch for it to be padded to its bucket (`batch_bucket`). Every reallocation bumps
+`KVStorage.generation`, so graphs captured on the old buffers are dropped, never replayed.
+
 Memory is bounded by a budget (`sampling.kv_budget_gb`, auto: from free memory): past it the
 store first drops the caches of sequences the current batch does not need (they are re-run
 from their tokens at their next turn: slower, never wrong), and only when one batch alone
@@ -119,6 +125,7 @@ class KVStorage:
         self.capacity = 0  # token positions of every row
         self.peak_bytes = 0
         self.pinned = False  # a batch is running: the buffers must not change
+        self.generation = 0  # bumped whenever the buffers are reallocated (captured graphs hold their addresses)
 
     @property
     def nbytes(self) -> int:
@@ -155,6 +162,7 @@ class KVStorage:
                     else:
                         bufs.append(new)
         self.slots, self.capacity = slots, capacity
+        self.generation += 1
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
     def write_read(self, meta: ForwardMeta, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -226,11 +234,12 @@ class SlotStore:
     kept), `hold` (what a key now holds), `swap` (compaction), `release`."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, budget_bytes: int | None = None,
-                 grow_tokens: int = 128):
+                 grow_tokens: int = 128, hold_still: bool = False):
         self.storage = KVStorage(config, dtype, device)
         self.bytes_per_token = self.storage.bytes_per_token
         self.budget = budget_bytes
-        self.grow_tokens = grow_tokens
+        self.hold_still = hold_still  # see the module docstring: the captured decode step's store
+        self.grow_tokens = max(grow_tokens, 512) if hold_still else grow_tokens
         self.owner: list = []  # slot -> key, None when free
         self.slot_of: dict = {}  # key -> slot
         self.ids: dict = {}  # key -> the token ids whose keys and values its slot holds
@@ -262,9 +271,18 @@ class SlotStore:
     def live(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def scratch(self) -> int | None:
+        """The slot padding rows of a static batch write into (a store that holds still: its last)."""
+        return self.slots - 1 if self.hold_still and self.slots else None
+
     def _resize(self, slots: int, capacity: int) -> None:
+        if self.scratch is not None:
+            self.owner[self.scratch] = None
         self.storage.resize(slots, capacity)
         self.owner = (self.owner + [None] * slots)[:slots]
+        if self.scratch is not None:
+            self.owner[self.scratch] = _SCRATCH
 
     # ------------------------------------------------------------ keys
 
@@ -297,7 +315,7 @@ class SlotStore:
                 self.owner[slot] = None
             self.ids.pop(key, None)
             self.used.pop(key, None)
-        if not self.slot_of:  # nothing live: give the memory back (the learner may want it)
+        if not self.slot_of and not self.hold_still:  # nothing live: give the memory back (the learner may want it)
             self._resize(0, 0)
 
     def stale(self) -> list:
@@ -318,11 +336,11 @@ class SlotStore:
         n = len(keys)
         start = self._block(keys, n)
         capacity = max(self.capacity, _round_up(need_len, self.grow_tokens))
-        slots = max(self.slots, start + n)
+        slots = self._slots_for(start, n)
         if slots * capacity * self.bytes_per_token > (self.budget or float("inf")):
             self._make_room(keys, n, capacity)
             start = self._block(keys, n)
-            slots = max(self.slots, start + n)
+            slots = self._slots_for(start, n)
             if slots * capacity * self.bytes_per_token > (self.budget or float("inf")):
                 raise KVBudgetError(
                     f"the sampler's KV cache needs {gb(slots * capacity * self.bytes_per_token)} GB for {n} sequences of "
@@ -330,6 +348,14 @@ class SlotStore:
                     f"(or rollout.tasks/group_size) or raise sampling.kv_budget_gb; a train run resumes from its last checkpoint")
         self._resize(slots, capacity)
         return self._fill(keys, start)
+
+    def _slots_for(self, start: int, n: int) -> int:
+        """Slots the storage needs for n rows from `start`: a store that holds still also fits the
+        batch padded to its bucket, and a scratch slot after it."""
+        if not self.hold_still:
+            return max(self.slots, start + n)
+        need = start + batch_bucket(n)
+        return self.slots if self.slots >= need and self.slots - 1 >= start + n else need + 1
 
     def _block(self, keys: list, n: int) -> int:
         """The first slot of n consecutive slots holding as many of the batch's own slots as possible
@@ -389,7 +415,7 @@ class SlotStore:
                 self.owner[s], self.owner[target] = None, k
                 self.slot_of[k] = target
                 self.moves += 1
-        self._resize(len(live), self.capacity)
+        self._resize(len(live) + (1 if self.hold_still else 0), self.capacity)
 
     # ------------------------------------------------------------ rows of a running batch
 
@@ -411,6 +437,25 @@ class SlotStore:
     def __repr__(self) -> str:
         return (f"SlotStore({self.live} live of {self.slots} slots x {self.capacity} tokens, "
                 f"{gb(self.nbytes)} GB, budget {gb(self.budget) if self.budget else 'none'} GB)")
+
+
+class _Scratch:
+    """The owner of a store's scratch slot (never a key)."""
+
+    def __repr__(self) -> str:
+        return "<scratch>"
+
+
+_SCRATCH = _Scratch()
+
+
+def batch_bucket(n: int) -> int:
+    """The rows of a static decode batch of n live rows (the CUDA graph sizes): a power of two up to
+    8, then multiples of 8 up to 64, then of 32. Padding rows cost compute, never results."""
+    if n <= 8:
+        return 1 << max(0, n - 1).bit_length()
+    step = 8 if n <= 64 else 32
+    return _round_up(n, step)
 
 
 def _round_up(n: int, step: int) -> int:
