@@ -135,14 +135,17 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
+                step.t.zero_()  # token 0 and position 0: inside every buffer whatever max_new_tokens is
+                step.write_pos.zero_()
                 step.run()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # one pool for every graph: safe in any replay order, as nothing a graph allocates is read
-        # after its replay (the step's inputs and outputs are buffers allocated outside the capture)
-        with torch.cuda.graph(graph, pool=self.pool):
+        # after its replay (the step's inputs and outputs are buffers allocated outside the capture);
+        # thread_local: env threads of the rollout never touch CUDA, but must not break a capture either
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step.run()
         step.graph = graph
         self.captures += 1
