@@ -61,6 +61,7 @@ class EnvConfig:
 
 PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context example, or none
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
+ATTENTION_BACKENDS = ("auto", "cudnn", "efficient", "math", "flash")  # sampling.attention_backend: SDPA's kernels
 
 
 @dataclass
@@ -96,6 +97,10 @@ class SamplingConfig:
     # hf: serve the adapter merged into the weights (fewer ops per token: 1.07-1.15x on CPU); in bf16
     # the sampler's log-probs then sit a little further from the learner's (measured: docs/gpu.md)
     merge_adapter: bool = True
+    # hf: the SDPA kernel of the sampler's attention: auto (SDPA's own choice) | cudnn | efficient |
+    # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
+    # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -377,6 +382,8 @@ def _check_sampling(c: Config) -> Checks:
         (s.max_loras >= 1, f"sampling.max_loras must be >= 1, got {s.max_loras}"),
         (s.kv_budget_gb == "auto" or (not isinstance(s.kv_budget_gb, (str, bool)) and s.kv_budget_gb > 0),
          f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {s.kv_budget_gb!r}"),
+        (s.attention_backend in ATTENTION_BACKENDS,
+         f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
     ]
 
 
