@@ -12,7 +12,8 @@
      (b) `grow`: L + 1 at every call (a new shape each call, as a decode step's KV grows: the
          per-new-shape cost, e.g. a kernel plan built per shape);
    - prefill: `--prefill-rows` rows of `--prefill-new` new tokens over L keys (4D causal mask,
-     enable_gqa), `fixed` only.
+     enable_gqa), `fixed` only; and the same folded as the decode step folds its heads (no
+     enable_gqa: for a kernel that takes no grouped heads).
    Reported per call: host ms (the loop's time before the closing sync: what the CPU spends
    dispatching), wall ms (after it), kernel ms and `GPU busy` = kernel time / wall time (from
    torch.profiler's device events; CUDA only), and each kernel's wall time as a ratio of auto's.
@@ -133,9 +134,13 @@ def op_decode(kernel: str, rows: int, L: int, calls: int, grow: bool, device, dt
         return {**out, **profile_calls([step(n) for n in again], device)} if profile else out
 
 
-def op_prefill(kernel: str, rows: int, new: int, L: int, calls: int, device, dtype, profile: bool) -> dict:
-    """slot_attention's prefill call: rows x `new` new tokens over L keys, causal per row, enable_gqa."""
+def op_prefill(kernel: str, rows: int, new: int, L: int, calls: int, device, dtype, profile: bool,
+               fold: bool = False) -> dict:
+    """slot_attention's prefill call: rows x `new` new tokens over L keys, causal per row, enable_gqa.
+    `fold`: instead, the decode step's layout (the g query heads of a KV head as g blocks of query
+    rows, the mask repeated g times, no enable_gqa): a candidate for kernels without grouped heads."""
     import torch
+    import torch.nn.functional as F
 
     from agentrl.sampling.attention import sdpa_backend
     from agentrl.sampling.kv import slot_attention
@@ -146,6 +151,11 @@ def op_prefill(kernel: str, rows: int, new: int, L: int, calls: int, device, dty
     qpos = torch.arange(L - new, L, device=device)[None].expand(rows, new)
     mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, L]
     step = lambda: slot_attention(None, q, buf, buf, mask, scaling=HEAD_DIM ** -0.5)  # noqa: E731
+    if fold:
+        g = HEADS // KV_HEADS
+        qf = q.reshape(rows, KV_HEADS, g * new, HEAD_DIM)
+        mf = mask[:, :, None].expand(rows, 1, g, new, L).reshape(rows, 1, g * new, L)
+        step = lambda: F.scaled_dot_product_attention(qf, buf, buf, attn_mask=mf, scale=HEAD_DIM ** -0.5)  # noqa: E731
     with torch.no_grad(), sdpa_backend(kernel):
         step()
         out = time_calls([step] * calls, device)
@@ -182,6 +192,9 @@ def run_op(args, device, dtype) -> dict:
     L = max(args.lengths)
     cases.append((f"prefill {args.prefill_rows}x{args.prefill_new} L={L}",
                   lambda k: op_prefill(k, args.prefill_rows, args.prefill_new, L, max(3, args.calls // 10), device, dtype, True)))
+    cases.append((f"prefill folded (no enable_gqa) {args.prefill_rows}x{args.prefill_new} L={L}",
+                  lambda k: op_prefill(k, args.prefill_rows, args.prefill_new, L, max(3, args.calls // 10), device, dtype,
+                                       True, fold=True)))
     for name, fn in cases:
         row = {}
         for k in args.kernels:

@@ -139,3 +139,24 @@ def test_bench_attention_runs_on_the_cpu(tiny_model, capsys):
     args.model_rows, args.context, args.new_tokens, args.steps = 2, 24, 3, 1
     r = bench.model_step(tiny_model, "math", args, torch.device("cpu"), None)
     assert r["prefill_forwards"] == 1 and r["s_per_step"] > 0
+
+
+def test_token_sized_prefill_forwards_sample_as_one_row_forwards(tiny_model, tokenizer):
+    """The CUDA rule's larger prefill forwards change nothing: the same rows, prefilled one per
+    forward or all in one, give the same tokens and log-probs (checked here on the CPU's kernels)."""
+    text = "You arrive at countertop 2. On the countertop 2, you see a butterknife 1, a cellphone 2, and a mug 3. " * 2
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    prompts = [ids[: 30 + i] for i in range(6)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    out, forwards = {}, {}
+    for name, fits in [("one", lambda r, new, kv: r == 1),
+                       ("tokens", lambda r, new, kv: prefill_fits(r, new, kv, heads=4, scores=False, per_token=1024))]:
+        sampler = HFSampler(tiny_model, tokenizer)
+        sampler._prefill_fits = fits
+        calls, run = [], sampler._prefill_bucket
+        sampler._prefill_bucket = lambda bucket, *a, run=run, calls=calls: calls.append(len(bucket)) or run(bucket, *a)
+        out[name] = sampler.generate(rows(prompts, seeds=list(range(6))), params)
+        forwards[name] = calls
+    assert forwards == {"one": [1] * 6, "tokens": [6]}
+    for a, b in zip(out["one"], out["tokens"]):
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
