@@ -338,7 +338,7 @@ def run_model(args, device) -> dict:
             r = model_step(model, k, args, device, Path(args.profile) if args.profile else None)
         except UserError as e:
             results[k] = {"unavailable": str(e)}
-            print(f"  {k:<10} unavailable here (usable: {str(e).rsplit('choose ', 1)[-1]})")
+            print(f"  {k:<10} unavailable: {e}")
             continue
         results[k] = r
         base = results.get("auto", {}).get("s_per_step")

@@ -57,8 +57,9 @@ def sdpa_backend(name: str):
         yield
 
 
-def _probe(name: str, device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether `slot_attention` runs both of the sampler's shapes under the pin (tiny sizes)."""
+def _probe(name: str, device, dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Which of the sampler's two shapes `slot_attention` cannot run under the pin (tiny sizes);
+    None when it runs both."""
     import torch
 
     from agentrl.sampling.kv import slot_attention  # the real call: what the sampler runs
@@ -66,44 +67,49 @@ def _probe(name: str, device, dtype, heads: int, kv_heads: int, head_dim: int) -
     L, M = 16, 4
     k = torch.zeros((2, kv_heads, L, head_dim), dtype=dtype, device=device)
     keys = torch.arange(L, device=device)
-    try:
-        with torch.no_grad(), sdpa_backend(name):
-            decode = (keys[None, None, :] <= torch.tensor([[5], [9]], device=device))[:, None]  # [b, 1, 1, L]
-            slot_attention(None, torch.zeros((2, heads, 1, head_dim), dtype=dtype, device=device), k, k, decode)
-            qpos = torch.arange(L - M, L, device=device)[None].expand(2, M)
-            prefill = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, M, L]
-            slot_attention(None, torch.zeros((2, heads, M, head_dim), dtype=dtype, device=device), k, k, prefill)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except RuntimeError:  # "No available kernel", or a kernel's own refusal of the shape
-        return False
-    return True
+    qpos = torch.arange(L - M, L, device=device)[None].expand(2, M)
+    shapes = {"a decode step": (1, (keys[None, None, :] <= torch.tensor([[5], [9]], device=device))[:, None]),
+              "a prefill": (M, (keys[None, None, :] <= qpos[:, :, None])[:, None])}  # masks [b, 1, M, L]
+    for shape, (m, mask) in shapes.items():
+        try:
+            with torch.no_grad(), sdpa_backend(name):
+                slot_attention(None, torch.zeros((2, heads, m, head_dim), dtype=dtype, device=device), k, k, mask)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except RuntimeError:  # "No available kernel", or a kernel's own refusal of the shape
+            return shape
+    return None
+
+
+def _shape(config) -> tuple[int, int, int]:
+    from agentrl.sampling.compat import kv_shape, text_config
+
+    _, kv_heads, head_dim = kv_shape(config)
+    return text_config(config).num_attention_heads, kv_heads, head_dim
 
 
 def usable_backends(device, dtype, config) -> list[str]:
     """The pins that run the sampler's attention for a model of `config` on `device` in `dtype`."""
-    from agentrl.sampling.compat import kv_shape, text_config
-
-    _, kv_heads, head_dim = kv_shape(config)
-    heads = text_config(config).num_attention_heads
-    return [n for n in BACKENDS[1:] if _probe(n, device, dtype, heads, kv_heads, head_dim)]
+    return [n for n in BACKENDS[1:] if _probe(n, device, dtype, *_shape(config)) is None]
 
 
 def check_backend(name: str, device, dtype, config) -> str:
     """`name`, once it is known to run the sampler's attention here; else one line naming the
-    device and the kernels that do (a UserError: the run stops before it starts)."""
+    device, the shape it cannot run and the kernels that can (a UserError: the run stops before
+    it starts)."""
     import torch
 
     check_name(name)
     if name == "auto":
         return name
     device = torch.device(device)
-    usable = usable_backends(device, dtype, config)
-    if name not in usable:
+    failed = _probe(name, device, dtype, *_shape(config))
+    if failed:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        usable = usable_backends(device, dtype, config)
         raise UserError(f"sampling.attention_backend={name}: SDPA's {name} kernel cannot run the sampler's masked "
-                        f"attention on {where} ({device}, {str(dtype).removeprefix('torch.')}); choose auto or one "
-                        f"of {', '.join(usable) or 'none'}")
+                        f"attention ({failed}) on {where} ({device}, {str(dtype).removeprefix('torch.')}); choose auto "
+                        f"or one of {', '.join(usable) or 'none'}")
     return name
 
 
@@ -113,13 +119,10 @@ def materialises_scores(name: str, device, dtype, config) -> bool:
     for the prefill shape (asked of SDPA's own dispatch, without running it)."""
     import torch
 
-    from agentrl.sampling.compat import kv_shape, text_config
-
     device = torch.device(device)
     if device.type != "cuda" or name == "math":
         return True
-    _, kv_heads, head_dim = kv_shape(config)
-    heads = text_config(config).num_attention_heads
+    heads, kv_heads, head_dim = _shape(config)
     q = torch.zeros((2, heads, 64, head_dim), dtype=dtype, device=device)
     k = torch.zeros((2, kv_heads, 128, head_dim), dtype=dtype, device=device)
     mask = torch.ones((2, 1, 64, 128), dtype=torch.bool, device=device)
