@@ -47,6 +47,8 @@ def test_the_training_shaped_lockstep_section_runs(tiny_model, tokenizer):
     sampler = HFSampler(tiny_model, tokenizer)
     r = _lockstep(sampler, tokenizer, {"shape": (3, 64, 4, 2)})
     assert r["rows"] == 3 and r["s_per_step"] > 0 and r["tokens_per_s"] > 0 and r["kv_store_gb"] >= 0
+    assert r["ms_per_token"] > 0 and r["kv_read_gb"] > 0 and r["weights_gb"] > 0
+    assert r["bandwidth_tb_s"] is None and r["floor_ms_per_token"] is None  # a CPU: no bandwidth in the table
     assert sampler.store.live == 0 and sampler.stop_ids  # its rows released, the stop tokens restored
 
 
@@ -57,5 +59,5 @@ def test_the_lockstep_section_measures_the_static_step_and_the_eager_loop(tiny_m
     sampler = HFSampler(tiny_model, tokenizer, static_decode="on")
     static = sampler.static
     r = _lockstep_graphs_on_off(sampler, tokenizer, {"shape": (3, 64, 4, 2)})
-    assert set(r["by_decode"]) == {"graphs", "eager"} and r["ms_per_token_step"] == r["by_decode"]["graphs"]["ms_per_token_step"]
+    assert set(r["by_decode"]) == {"graphs", "eager"} and r["ms_per_token"] == r["by_decode"]["graphs"]["ms_per_token"]
     assert static.replays > 0 and sampler.static is static  # the decoder it was built with is back

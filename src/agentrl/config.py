@@ -61,6 +61,7 @@ class EnvConfig:
 
 PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context example, or none
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
+ATTENTION_BACKENDS = ("auto", "cudnn", "efficient", "math", "flash")  # sampling.attention_backend: SDPA's kernels
 
 
 @dataclass
@@ -99,6 +100,10 @@ class SamplingConfig:
     # hf: the decode step over static buffers, captured as CUDA graphs (one launch per token);
     # auto = on where CUDA is, on = also on a CPU (run eagerly: the same step, for tests), off = eager loop
     static_decode: str = "auto"
+    # hf: the SDPA kernel of the sampler's attention: auto (SDPA's own choice) | cudnn | efficient |
+    # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
+    # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -381,6 +386,8 @@ def _check_sampling(c: Config) -> Checks:
         (s.kv_budget_gb == "auto" or (not isinstance(s.kv_budget_gb, (str, bool)) and s.kv_budget_gb > 0),
          f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {s.kv_budget_gb!r}"),
         (s.static_decode in ("auto", "on", "off"), f"sampling.static_decode must be auto, on or off, got {s.static_decode!r}"),
+        (s.attention_backend in ATTENTION_BACKENDS,
+         f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
     ]
 
 

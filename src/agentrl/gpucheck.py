@@ -5,7 +5,8 @@ Sections (each timed; one that fails is reported and the others still run):
   the full length);
 - lockstep: the training-shaped sampler step: 128 rows with ~2k-token contexts each continue by
   ~50 observation tokens and decode 30 new tokens (KV reused across steps), seconds per step and
-  peak GPU memory;
+  peak GPU memory, and beside the time per decoded token its floor: the bytes a decode step must
+  read (every row's KV, every weight) over the GPU's memory bandwidth (`decode_floor`);
 - rollout: the lockstep rollout on real train games, B x G = 10 x 8, seconds per step;
 - learner: one update on that rollout (tokens/s and the sampler-learner log-prob gap on real
   trajectories), the swap (save + load, LoRA rank 16), then a rollout with the non-zero adapter
@@ -154,7 +155,6 @@ def _lockstep_graphs_on_off(sampler, tokenizer, size) -> dict:
                 continue
             sampler.static = decoder
             run = _lockstep(sampler, tokenizer, size)
-            run["ms_per_token_step"] = round(1000 * run["s_per_step"] / run["new_tokens"], 2)  # the observation's prefill included
             if decoder is not None:
                 run["graphs_captured"] = decoder.captures
             result[name] = run
@@ -199,10 +199,38 @@ def _lockstep(sampler, tokenizer, size) -> dict:
     finally:
         sampler.stop_ids = stops
         sampler.release(keys)
+    step = sum(times) / len(times)
+    kv_read = sum(len(p) + new // 2 for p in prompts) * sampler.store.bytes_per_token  # a mid-reply decode step's contexts
+    weights = sum(p.numel() * p.element_size() for p in sampler.model.parameters())
     return {"rows": rows, "context_tokens": context, "new_tokens": new, "first_step_s": round(first, 3),
-            "s_per_step": round(sum(times) / len(times), 3), "tokens_per_s": round(rows * new / (sum(times) / len(times)), 1),
+            "s_per_step": round(step, 3), "tokens_per_s": round(rows * new / step, 1),
+            "ms_per_token": round(step / new * 1e3, 3),  # the whole step (its prefill included) per decoded token
+            **decode_floor(kv_read, weights, _device_name(str(sampler.device))),
             "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             "kv_store_gb": round(sampler.store.peak_bytes / 2**30, 2)}
+
+
+# memory bandwidth by device name (the vendors' datasheets, TB/s); the first row whose words all
+# appear in torch's device name wins, so the specific rows come first
+BANDWIDTH_TB_S = ((("H100", "PCIe"), 2.0), (("H100", "NVL"), 3.9), (("H100",), 3.35), (("H200",), 4.8),
+                  (("A100", "80GB"), 2.0))
+
+
+def memory_bandwidth(device_name: str) -> float | None:
+    """The device's memory bandwidth in bytes/s, from BANDWIDTH_TB_S (None: not in the table)."""
+    for words, tb_s in BANDWIDTH_TB_S:
+        if all(w.lower() in device_name.lower() for w in words):
+            return tb_s * 1e12
+    return None
+
+
+def decode_floor(kv_bytes: int, weight_bytes: int, device_name: str) -> dict:
+    """The least time one decode step can take on a memory-bound GPU: it reads every row's keys and
+    values and every weight once, at the device's bandwidth. None where the bandwidth is unknown."""
+    bandwidth = memory_bandwidth(device_name)
+    floor = (kv_bytes + weight_bytes) / bandwidth if bandwidth else None
+    return {"bandwidth_tb_s": bandwidth / 1e12 if bandwidth else None, "kv_read_gb": round(kv_bytes / 1e9, 6),
+            "weights_gb": round(weight_bytes / 1e9, 6), "floor_ms_per_token": round(floor * 1e3, 4) if floor else None}
 
 
 def _rollout(cfg, sampler, size, state) -> dict:

@@ -36,6 +36,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
 from agentrl.models import load_model, quiet_peft
+from agentrl.sampling.attention import check_backend, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
@@ -69,7 +70,7 @@ def cache_kwarg(model) -> str:
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
                  kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
-                 static_decode: str = "auto"):
+                 static_decode: str = "auto", attention_backend: str = "auto"):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -87,6 +88,8 @@ class HFSampler:
         self.static = StaticDecoder(capture=param.device.type == "cuda") if on else None
         self.store = SlotStore(model.config, param.dtype, param.device, kv_budget_bytes(kv_budget_gb, param.device),
                                hold_still=on)
+        self.attention_backend = check_backend(attention_backend, param.device, param.dtype, model.config)  # SDPA's kernel
+        self._prefill_fits = prefill_sizer(self.attention_backend, param.device, param.dtype, model.config)
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
@@ -106,7 +109,7 @@ class HFSampler:
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
-                   static_decode=cfg.sampling.static_decode)
+                   static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend)
 
     @property
     def device(self) -> torch.device:
@@ -211,7 +214,7 @@ class HFSampler:
         self.store.release([k for k in self.store.stale() if k not in set(names)])
         out: list[Completion] = []
         try:
-            with use_slot_attention(self.model):
+            with use_slot_attention(self.model), sdpa_backend(self.attention_backend):
                 for start in range(0, len(prompts), self.batch_size):
                     end = start + self.batch_size
                     out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end]))
@@ -293,11 +296,10 @@ class HFSampler:
         runner = [first[tuple(p)] if c == 0 else i for i, (p, c) in enumerate(zip(prompts, cached))]
         runs = sorted(set(runner), key=lambda i: len(prompts[i]) - cached[i])
         row_logits: dict[int, torch.Tensor] = {}
-        heads = self.model.config.get_text_config().num_attention_heads
 
-        def fits(rows: list[int]) -> bool:  # a bucket's attention scores (fp32, every query head) stay under 256 MB
+        def fits(rows: list[int]) -> bool:  # a bucket's scores or, with a fused kernel, its tokens (attention.prefill_fits)
             new, kv = max(len(prompts[i]) - cached[i] for i in rows), max(len(prompts[i]) for i in rows)
-            return len(rows) * new * kv * heads * 4 <= 256 << 20
+            return self._prefill_fits(len(rows), new, kv)
 
         for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
             out = self._prefill_bucket(bucket, prompts, cached, slots)
