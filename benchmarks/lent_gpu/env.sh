@@ -3,3 +3,6 @@
 export PYTHONPATH=/tmp/site:$PWD/benchmarks/lent_gpu/stub:$PWD/src AGENTRL_CACHE=/tmp/st/cache
 export ALFWORLD_DATA=/tmp/data/alfworld PYTHONUNBUFFERED=1 COLUMNS=160
 agentrl() { python3 -c "from agentrl.cli import main; main()" "$@"; }
+# vLLM, where install_vllm.sh put it in /tmp/site: stubs last on the path for the structured-output
+# imports it makes at load (stub_vllm/), its sampler without FlashInfer (not carried), no usage stats
+export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/lent_gpu/stub_vllm VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1
