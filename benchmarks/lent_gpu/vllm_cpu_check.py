@@ -103,10 +103,22 @@ def check(model: str, adapters: list[str]) -> None:
     print("FlashAttention version on sm_90, head size 64:", get_flash_attn_version(head_size=64))
     from vllm.engine.arg_utils import EngineArgs
 
+    # the sampler's own arguments (sampling/vllm.py from_config, colocated on cuda:0) less sleep mode,
+    # whose allocator needs CUDA
     cfg = EngineArgs(model=model, tokenizer=model, enable_lora=True, max_lora_rank=32, max_loras=2,
-                     enable_prefix_caching=True, dtype="bfloat16", seed=0).create_engine_config()
+                     enable_prefix_caching=True, gpu_memory_utilization=0.5, max_model_len=None, dtype="bfloat16",
+                     seed=0, trust_remote_code=False, logprobs_mode="raw_logprobs", device_ids=[0]).create_engine_config()
     print("engine config:", cfg.model_config.architectures, "max_model_len", cfg.model_config.max_model_len,
-          "max_lora_rank", cfg.lora_config.max_lora_rank)
+          "max_lora_rank", cfg.lora_config.max_lora_rank, "logprobs_mode", cfg.model_config.logprobs_mode)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    SamplingParams(temperature=0.7, top_p=1.0, max_tokens=32, seed=3, logprobs=0, stop_token_ids=[2],
+                   skip_special_tokens=True, detokenize=False)
+    TokensPrompt(prompt_token_ids=[1, 2, 3])
+    LoRARequest(lora_name="v1.1", lora_int_id=1, lora_path="/tmp/adapter")
+    print("the sampler's SamplingParams, TokensPrompt and LoRARequest construct")
     from vllm.config.lora import LoRAConfig
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
