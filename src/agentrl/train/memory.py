@@ -137,3 +137,37 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
         f"train's learner: {m.rows} {'row' if m.rows == 1 else 'rows'} x ~{m.row_tokens} tokens per micro-batch need "
         f"~{_gb(m.activations + m.logits)} GB of activations, ~{_gb(m.total)} GB with the model and LoRA state"
         + f", over the {_gb(max(0, free))} GB free on {device}; try " + ", or ".join(hints))
+
+
+# ---------------------------------------------------------------- the learner's token budget
+MAX_TOKENS_PER_MICROBATCH = 1 << 16  # beyond this a bigger forward buys no speed, only a longer wait
+CUDA_HEADROOM = 0.8  # of the free memory: the allocator's fragmentation, cuBLAS/attention workspaces
+
+
+def loss_bytes_per_token(config) -> int:
+    """The vocabulary projection's share per token: a position's fp32 logits, their log-softmax
+    and gradient (LOGIT_COPIES), as if every position were projected at once (sft projects the
+    reply positions only, the GRPO loss chunks of 512 positions: both less)."""
+    vocab = getattr(text_config(config), "vocab_size", 0) or 0
+    return 4 * LOGIT_COPIES * vocab
+
+
+def tokens_per_microbatch(setting, model, device, gradient_checkpointing: bool) -> int | None:
+    """`learner.tokens_per_microbatch` as a number: N as given; None (null) as given (micro-batches
+    of learner.micro_batch rows); auto: what the device's free memory holds, now (CUDA: free +
+    what torch has cached, x CUDA_HEADROOM; CPU: available memory less RESERVE_BYTES), over the
+    activations and loss bytes one token needs, conservatively (SAFETY), capped at
+    MAX_TOKENS_PER_MICROBATCH. The weights and LoRA state are already allocated, so not counted."""
+    import torch
+
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = available_memory_bytes(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = int(free * CUDA_HEADROOM)
+    else:
+        free = available_memory_bytes(device) - RESERVE_BYTES
+    dtype_bytes = model.get_input_embeddings().weight.element_size()  # the base's: what the activations are held in
+    per_token = activation_bytes_per_token(model.config, dtype_bytes, gradient_checkpointing) + loss_bytes_per_token(model.config)
+    return max(64, min(MAX_TOKENS_PER_MICROBATCH, free // per_token))
