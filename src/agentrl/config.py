@@ -171,7 +171,9 @@ class SftConfig:
     lr: float = 5e-4
     # 1024 tokens per micro-batch and one micro-batch per step: a walkthrough averages ~740 tokens,
     # so a step holds one game (two short ones): 120 games x 2 epochs give ~240 optimizer steps
-    token_budget: int = 1024  # tokens per micro-batch (games of similar length batched, no padding waste)
+    # tokens per bucket of similar-length walkthroughs (rows x longest); buckets make the optimizer
+    # steps (the recipe); a step's examples run packed by learner.tokens_per_microbatch
+    token_budget: int = 1024
     batch_games: int = 1  # games per optimizer step (micro-batches accumulate up to it)
     warmup: float = 0.05  # share of the optimizer steps with a linear lr warm-up from 0
     schedule: str = "cosine"  # constant | cosine (after the warm-up, decay to min_lr_ratio x lr at the last step)
