@@ -59,6 +59,7 @@ def test_packed_log_probs_are_each_sequences_own(tiny_model, attention, packed):
     model = copy.deepcopy(tiny_model)
     model.config._attn_implementation = attention
     assert supports_packing(model)
+    assert not supports_packing(type("RemoteCode", (), {"config": model.config})())  # model code of its own: padded
     seqs = sequences()
     with torch.no_grad():
         for rows in token_micro_batches([len(s) for s in seqs], 200, pack=packed):

@@ -11,9 +11,9 @@ round-off (tests/test_packing.py holds them to 1e-5 in fp32).
 A row's tail after its last sequence (FFD leaves little) is filler, one more "sequence" that
 attends to itself and is never read. Rows are as wide as the longest sequence: sdpa and eager
 compute the whole block-diagonal mask, O(row^2), so a wider row spends on attention what packing
-saves on padding (measured on the CPU: 2,048-token rows of three walkthroughs took 4x the
-attention time of the three alone, and the warm start's steps 0.6x as fast; the learner's
-sequences differ in length, so rows of the longest still fill).
+saves on padding (on the CPU a 2,048-token row of three walkthroughs took 3-6x the attention
+time of the three alone; the learner's sequences differ in length, so rows of the longest
+still fill).
 """
 
 from __future__ import annotations
@@ -127,9 +127,13 @@ def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool
 
 
 def supports_packing(model) -> bool:
-    """Whether the model's attention masks packed sequences from position ids (else: padded rows)."""
+    """Whether the model's attention masks packed sequences from position ids (else: padded rows):
+    transformers' own model code (its masks come from masking_utils; remote code may build its
+    own and let packed sequences see each other) with one of PACKING_ATTENTION."""
     config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) in PACKING_ATTENTION
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (type(base).__module__.startswith("transformers.models.")
+            and getattr(config, "_attn_implementation", None) in PACKING_ATTENTION)
 
 
 def final_hidden(model, batch: Packed) -> torch.Tensor:
