@@ -266,7 +266,7 @@ def test_a_run_whose_learner_cannot_fit_is_refused_up_front(tmp_path):
     """micro-batch rows x expected episode tokens x activation bytes per token over the free memory:
     one line naming the knobs (micro-batch, gradient checkpointing), exit 2, nothing written."""
     cfg = tmp_path / "big.yaml"
-    cfg.write_text("env:\n  max_steps: 30\nlearner:\n  micro_batch: 128\n")
+    cfg.write_text("env:\n  max_steps: 30\nlearner:\n  micro_batch: 128\n  tokens_per_microbatch: null\n")
     out = tmp_path / "out"
     proc = agentrl("train", "--config", str(cfg), "--out", str(out), "--tasks", "16", "--group-size", "8",
                    "--kv-budget-gb", "1000")

@@ -356,19 +356,23 @@ def test_bad_input_is_one_line_and_exit_2_and_nothing_is_written(tmp_path, warm_
         assert not (tmp_path / written).exists()
 
 
-def test_masked_nll_is_the_teacher_forced_nll_of_the_replies(tiny_model):
-    """The loss's reply-only vocabulary projection equals the full teacher-forced log-probs."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_masked_nll_is_the_teacher_forced_nll_of_the_replies(tiny_model, packed):
+    """The loss's reply-only vocabulary projection equals the full teacher-forced log-probs of
+    each example on its own, packed in one row or padded in two."""
     from agentrl.train.loss import token_logprobs
-    from agentrl.train.sft import Example, _tensors, masked_nll_sum
+    from agentrl.train.packing import pack
+    from agentrl.train.sft import Example, masked_nll_sum
 
     g = torch.Generator().manual_seed(0)
     batch = [Example("a", "t", torch.randint(0, 1000, (n,), generator=g).tolist(), [0] * (n - 4) + [1] * 4)
              for n in (9, 14)]
     batch[1].action_mask[3:6] = [1, 1, 1]
-    nll, n = masked_nll_sum(tiny_model, batch)
-    ids, attn, mask = _tensors(batch, "cpu")
+    rows = [[0, 1]] if packed else [[0], [1]]
+    nll, n = masked_nll_sum(tiny_model, pack([e.token_ids for e in batch], rows, "cpu", packed), [e.action_mask for e in batch])
     with torch.no_grad():
-        want = -(token_logprobs(tiny_model, ids, attn) * mask).sum()
+        want = sum(-(token_logprobs(tiny_model, torch.tensor([e.token_ids]), torch.ones(1, len(e.token_ids), dtype=torch.long))[0]
+                     * torch.tensor(e.action_mask)).sum() for e in batch)
     assert n == 11 and torch.allclose(nll.detach(), want, rtol=1e-5)
 
 

@@ -135,6 +135,9 @@ class RolloutConfig:
         return parse_gate(self.gate, self.gate_or_tau)
 
 
+AUTOCAST = ("auto", "bf16", "off")
+
+
 @dataclass
 class LearnerConfig:
     """PEFT LoRA + AdamW (DESIGN.md Table 6). Tier 2: r8/a16 on q,v; tier 3: r16/a32 on q,k,v,o + MLP."""
@@ -147,7 +150,12 @@ class LearnerConfig:
     lr: float = 5e-5
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # None: no clipping (the norm before clipping is logged either way)
-    micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation; same gradient)
+    micro_batch: int = 4  # trajectories per forward/backward when tokens_per_microbatch is null (same gradient)
+    # tokens per forward/backward (gradient accumulation; same gradient): auto (from the learner
+    # device's free memory and the model's activation bytes per token) | N | null (micro_batch rows)
+    tokens_per_microbatch: int | str | None = "auto"
+    packing: bool = True  # sequences packed into rows (no padding), each attending to itself; false: padded rows
+    autocast: str = "auto"  # auto (bf16 on a CUDA device with bf16, else off) | bf16 | off: the forward's matmuls
     # several optimizer steps per iteration (PPO-style): `epochs` passes over the iteration's
     # trajectories, each split into `minibatches` steps, with the clipped ratio against the policy
     # at the start of the update (1 on the first minibatch: epochs 1 x minibatches 1 = one GRPO step)
@@ -171,7 +179,9 @@ class SftConfig:
     lr: float = 5e-4
     # 1024 tokens per micro-batch and one micro-batch per step: a walkthrough averages ~740 tokens,
     # so a step holds one game (two short ones): 120 games x 2 epochs give ~240 optimizer steps
-    token_budget: int = 1024  # tokens per micro-batch (games of similar length batched, no padding waste)
+    # tokens per bucket of similar-length walkthroughs (rows x longest); buckets make the optimizer
+    # steps (the recipe); a step's examples run packed by learner.tokens_per_microbatch
+    token_budget: int = 1024
     batch_games: int = 1  # games per optimizer step (micro-batches accumulate up to it)
     warmup: float = 0.05  # share of the optimizer steps with a linear lr warm-up from 0
     schedule: str = "cosine"  # constant | cosine (after the warm-up, decay to min_lr_ratio x lr at the last step)
@@ -489,6 +499,10 @@ def _check_learner(c: Config) -> Checks:
         (lc.weight_decay >= 0, f"learner.weight_decay must be >= 0, got {lc.weight_decay}"),
         (lc.grad_clip is None or lc.grad_clip > 0, f"learner.grad_clip must be > 0 (or null: no clipping), got {lc.grad_clip}"),
         (lc.micro_batch >= 1, f"learner.micro_batch must be >= 1, got {lc.micro_batch}"),
+        (lc.tokens_per_microbatch in (None, "auto") or (isinstance(lc.tokens_per_microbatch, int)
+                                                        and lc.tokens_per_microbatch >= 64),
+         f"learner.tokens_per_microbatch must be auto, a number >= 64 or null, got {lc.tokens_per_microbatch!r}"),
+        (lc.autocast in AUTOCAST, f"learner.autocast must be one of {', '.join(AUTOCAST)}, got {lc.autocast!r}"),
         (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
     ]
 

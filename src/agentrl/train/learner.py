@@ -26,7 +26,9 @@ from agentrl.io import atomic_path
 from agentrl.models import load_model, quiet_peft
 from agentrl.rollout.trajectory import is_zero, step_sequences, token_advantages, trained_tokens
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
-from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference, token_logprobs
+from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference
+from agentrl.train.memory import tokens_per_microbatch
+from agentrl.train.packing import Packed, autocast, pack, sequence_logprobs, supports_packing, token_micro_batches
 from agentrl.weights import WeightsRef
 
 __all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
@@ -141,19 +143,36 @@ class LocalLearner:
     def device(self) -> torch.device:
         return self.params[0].device
 
-    def _pad(self, trajs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(t.token_ids) for t in trajs)
-        ids = torch.zeros((len(trajs), width), dtype=torch.long)
-        attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-        sampler_logp = torch.zeros((len(trajs), width))
-        for i, t in enumerate(trajs):  # right padding: positions stay those the sampler used
-            n = len(t.token_ids)
-            ids[i, :n] = torch.tensor(t.token_ids)
-            attn[i, :n] = 1
-            mask[i, :n] = torch.tensor(t.action_mask)
-            sampler_logp[i, :n] = torch.tensor(t.logprobs)
-        d = self.device
-        return ids.to(d), attn.to(d), mask.to(d), sampler_logp.to(d)
+    @property
+    def packing(self) -> bool:
+        """Rows packed with several sequences (learner.packing, and the model's attention masks them)."""
+        return self.cfg.packing and supports_packing(self.model)
+
+    def micro_batches(self, lengths: list[int]) -> list[list[list[int]]]:
+        """The sequences of `lengths` as micro-batches, each a list of rows of indices: by
+        `learner.tokens_per_microbatch` (auto: sized from the device's free memory now), packed or
+        one per row; null: `learner.micro_batch` rows each, in order (the count-based path)."""
+        cfg = self.cfg
+        budget = tokens_per_microbatch(cfg.tokens_per_microbatch, self.model, self.device, cfg.gradient_checkpointing)
+        if budget is None:
+            return [[[i] for i in range(s, min(s + cfg.micro_batch, len(lengths)))]
+                    for s in range(0, len(lengths), cfg.micro_batch)]
+        return token_micro_batches(lengths, budget, pack=self.packing)
+
+    def inputs(self, sequences: list[list[int]], rows: list[list[int]]) -> Packed:
+        """One micro-batch's model inputs (`rows` index `sequences`), packed when the learner packs."""
+        return pack(sequences, rows, self.device, packed=self.packing)
+
+    def autocast(self):
+        """The forward's autocast (learner.autocast); the weights and LoRA state stay as loaded."""
+        return autocast(self.cfg.autocast, self.device)
+
+    def _per_token(self, values: list[list[float]], width: int) -> torch.Tensor:
+        """Per-sequence values (masks, sampler log-probs) right-padded to [n, width]."""
+        out = torch.zeros((len(values), width))
+        for i, v in enumerate(values):
+            out[i, : len(v)] = torch.as_tensor(v, dtype=out.dtype)
+        return out.to(self.device)
 
     def _advantages(self, part, width: int) -> torch.Tensor:
         """[n] advantages (one per trajectory), or [n, width] per token when any is per step."""
@@ -184,7 +203,8 @@ class LocalLearner:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, values = 0.0, []
         for part in parts:
-            loss, value = loss_fn(self.model, part)
+            with self.autocast():
+                loss, value = loss_fn(self.model, part)
             loss.backward()
             faults.point("update")
             loss_sum += float(loss.detach())
@@ -244,26 +264,32 @@ class LocalLearner:
         share = len(idx) / len(plan.work)  # a minibatch is normalised as its share of the batch
         kl_tokens = max(1, sum(trained_tokens(*plan.work[i]) for i in idx)) if ref is not None else 1
 
-        def loss_fn(model, part_idx):
+        sequences = [t.token_ids for t, _ in plan.work]
+
+        def loss_fn(model, rows):
+            part_idx = [i for row in rows for i in row]
             part = [plan.work[i] for i in part_idx]
-            ids, attn, mask, sampler_logp = self._pad([t for t, _ in part])
-            adv = self._advantages(part, ids.shape[1])
-            logp = token_logprobs(model, ids, attn)
+            logp = sequence_logprobs(model, self.inputs(sequences, rows))
+            width = logp.shape[1]
+            mask = self._per_token([t.action_mask for t, _ in part], width)
+            sampler_logp = self._per_token([t.logprobs for t, _ in part], width)
+            adv = self._advantages(part, width)
             if old is None:
                 loss, c = grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=plan.n_total * share,
                                     tokens_total=plan.tokens_total * share), 0.0
             else:
-                loss, c = clipped_loss(logp, self._stack(old, part_idx, ids.shape[1]), mask, adv, cfg.clip, cfg.loss_agg,
+                loss, c = clipped_loss(logp, self._stack(old, part_idx, width), mask, adv, cfg.clip, cfg.loss_agg,
                                        n_total=plan.n_total * share, tokens_total=plan.tokens_total * share)
             kl = 0.0
             if ref is not None:
-                kl_part = kl_to_reference(logp, self._stack(ref, part_idx, ids.shape[1]), mask)
+                kl_part = kl_to_reference(logp, self._stack(ref, part_idx, width), mask)
                 loss = loss + cfg.kl_coef * kl_part / kl_tokens
                 kl = float(kl_part.detach())
             gap = float(((logp.detach() - sampler_logp).abs() * mask).sum()) if measure_gap else 0.0
             return loss, (float(c) * float(mask.sum()), kl, gap)
 
-        parts = [idx[start : start + cfg.micro_batch] for start in range(0, len(idx), cfg.micro_batch)]
+        parts = [[[idx[j] for j in row] for row in rows]
+                 for rows in self.micro_batches([len(sequences[i]) for i in idx])]
         result = self.step(parts, loss_fn, cfg.grad_clip)
         clip_n = kl_sum = gap_sum = 0.0
         for c, kl, gap in result.values:  # summed in order, as the micro-batches ran
@@ -313,12 +339,13 @@ class LocalLearner:
             for p, r in zip(self.params, self.reference):
                 p.copy_(r)
         try:
-            out = []
-            for start in range(0, len(work), self.cfg.micro_batch):
-                part = [t for t, _ in work[start : start + self.cfg.micro_batch]]
-                ids, attn, _, _ = self._pad(part)
-                logp = token_logprobs(self.model, ids, attn)
-                out += [logp[i, : len(t.token_ids)].clone() for i, t in enumerate(part)]
+            sequences = [t.token_ids for t, _ in work]
+            out: list[torch.Tensor | None] = [None] * len(work)
+            for rows in self.micro_batches([len(ids) for ids in sequences]):
+                with self.autocast():
+                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows))
+                for k, i in enumerate(i for row in rows for i in row):
+                    out[i] = logp[k, : len(sequences[i])].float().clone()
             return out
         finally:
             if saved is not None:

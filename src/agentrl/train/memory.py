@@ -1,6 +1,7 @@
 """What the learner will hold, known before a run starts: refused in one line when it cannot fit.
 
-The learner's peak is one micro-batch's forward + backward: `learner.micro_batch` rows of a whole
+The learner's peak is one micro-batch's forward + backward: `learner.micro_batch` rows (or
+`learner.tokens_per_microbatch` tokens; auto: one row at least, the rest sized from what is free) of a whole
 episode (or, under `prompt.history`, of one step's window), each row's activations saved for
 backward, the vocabulary projection of one chunk of positions per row, and the LoRA's weights,
 gradients and AdamW moments, on top of the model's weights. On one device with the hf sampler
@@ -72,6 +73,16 @@ def lora_params(config, r: int, target_modules) -> int:
     return layers * sum(r * sum(shapes.get(m, (h, h))) for m in target_modules)
 
 
+def microbatch_rows(lc, row_tokens: int) -> int:
+    """Rows of `row_tokens` one micro-batch holds: learner.micro_batch (tokens_per_microbatch null),
+    its token budget's worth, or 1 under auto (sized from what is free when it runs: one row must fit)."""
+    if lc.tokens_per_microbatch is None:
+        return lc.micro_batch
+    if lc.tokens_per_microbatch == "auto":
+        return 1
+    return max(1, lc.tokens_per_microbatch // max(1, row_tokens))
+
+
 def weight_bytes(model_path: str) -> int:
     """The model's weights: its safetensors (or .bin) files' size on disk."""
     p = Path(model_path)
@@ -93,7 +104,8 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     history = cfg.prompt.history or 0
     row_tokens = expected_context_tokens(cfg, min(history, t_max) if history else t_max, tokenizer)
-    rows = max(1, min(cfg.learner.micro_batch, cfg.rollout.tasks * cfg.rollout.group_size * (t_max if history else 1)))
+    rows = max(1, min(microbatch_rows(cfg.learner, row_tokens),
+                      cfg.rollout.tasks * cfg.rollout.group_size * (t_max if history else 1)))
     r, modules = cfg.learner.lora_r, cfg.learner.target_modules
     vocab = getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
                     "vocab_size", 0)
@@ -128,8 +140,10 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     gc = cfg.learner.gradient_checkpointing
     per_row = m.activations // m.rows + m.logits // m.rows
     hints = []
-    if m.rows > 1:
+    if m.rows > 1 and cfg.learner.tokens_per_microbatch is None:
         hints.append(f"a smaller learner.micro_batch (--micro-batch; each row ~{_gb(per_row)} GB, the gradient is the same)")
+    elif m.rows > 1:
+        hints.append(f"a smaller learner.tokens_per_microbatch, or auto (each row ~{_gb(per_row)} GB, the gradient is the same)")
     if not gc:
         hints.append("learner.gradient_checkpointing: true (--gradient-checkpointing; activations ~1/8, a second forward's compute)")
     hints.append("a shorter env.max_steps" + (" or prompt.history" if not cfg.prompt.history else ""))
@@ -137,3 +151,37 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
         f"train's learner: {m.rows} {'row' if m.rows == 1 else 'rows'} x ~{m.row_tokens} tokens per micro-batch need "
         f"~{_gb(m.activations + m.logits)} GB of activations, ~{_gb(m.total)} GB with the model and LoRA state"
         + f", over the {_gb(max(0, free))} GB free on {device}; try " + ", or ".join(hints))
+
+
+# ---------------------------------------------------------------- the learner's token budget
+MAX_TOKENS_PER_MICROBATCH = 1 << 16  # beyond this a bigger forward buys no speed, only a longer wait
+CUDA_HEADROOM = 0.8  # of the free memory: the allocator's fragmentation, cuBLAS/attention workspaces
+
+
+def loss_bytes_per_token(config) -> int:
+    """The vocabulary projection's share per token: a position's fp32 logits, their log-softmax
+    and gradient (LOGIT_COPIES), as if every position were projected at once (sft projects the
+    reply positions only, the GRPO loss chunks of 512 positions: both less)."""
+    vocab = getattr(text_config(config), "vocab_size", 0) or 0
+    return 4 * LOGIT_COPIES * vocab
+
+
+def tokens_per_microbatch(setting, model, device, gradient_checkpointing: bool) -> int | None:
+    """`learner.tokens_per_microbatch` as a number: N as given; None (null) as given (micro-batches
+    of learner.micro_batch rows); auto: what the device's free memory holds, now (CUDA: free +
+    what torch has cached, x CUDA_HEADROOM; CPU: available memory less RESERVE_BYTES), over the
+    activations and loss bytes one token needs, conservatively (SAFETY), capped at
+    MAX_TOKENS_PER_MICROBATCH. The weights and LoRA state are already allocated, so not counted."""
+    import torch
+
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    if device.type == "cuda":
+        free = available_memory_bytes(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = int(free * CUDA_HEADROOM)
+    else:
+        free = available_memory_bytes(device) - RESERVE_BYTES
+    dtype_bytes = model.get_input_embeddings().weight.element_size()  # the base's: what the activations are held in
+    per_token = activation_bytes_per_token(model.config, dtype_bytes, gradient_checkpointing) + loss_bytes_per_token(model.config)
+    return max(64, min(MAX_TOKENS_PER_MICROBATCH, free // per_token))

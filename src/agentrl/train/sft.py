@@ -7,7 +7,7 @@ warm start on expert trajectories, then RL. Here:
     examples = expert_dataset(games)     # replay each walkthrough through the env and the SAME
                                          # ModelPolicy/renderer a rollout uses: exact token ids,
                                          # mask = 1 on each reply and its end-of-turn token
-    for epoch: for step: AdamW on the masked NLL (token mean), micro-batches by a token budget
+    for epoch: for step: AdamW on the masked NLL (token mean), run packed by the learner's token budget
     heldout NLL on valid_seen walkthroughs after each epoch
     write DIR: a PEFT adapter (the learner's rank and target modules), agentrl.json (the prompt
                it was taught with), sft_metrics.jsonl; atomically
@@ -41,6 +41,7 @@ from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
 from agentrl.sampling.base import Completion, SamplingParams
 from agentrl.train.learner import LocalLearner, build_learner
+from agentrl.train.packing import Packed, final_hidden, target_mask
 
 log = logging.getLogger(__name__)
 DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
@@ -190,8 +191,10 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
 
 # ---------------------------------------------------------------- batching and the loss
 def micro_batches(examples: list[Example], token_budget: int) -> list[list[Example]]:
-    """Examples sorted by length and packed so that rows x longest row <= token_budget (a longer
-    example gets a batch of its own): neighbours in length, so padding costs little."""
+    """Examples sorted by length and bucketed so that rows x longest row <= token_budget (a longer
+    example gets a bucket of its own): the recipe's unit, `sft.token_budget`; buckets make up the
+    optimizer steps. How a step's examples are run (packed, by the learner's token budget) does
+    not change its gradient."""
     out: list[list[Example]] = []
     for e in sorted(examples, key=lambda e: len(e.token_ids)):
         if out and (len(out[-1]) + 1) * len(e.token_ids) <= token_budget:
@@ -201,37 +204,35 @@ def micro_batches(examples: list[Example], token_budget: int) -> list[list[Examp
     return out
 
 
-def _tensors(batch: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(e.token_ids) for e in batch)
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, e in enumerate(batch):
-        n = len(e.token_ids)
-        ids[i, :n], attn[i, :n], mask[i, :n] = torch.tensor(e.token_ids), 1, torch.tensor(e.action_mask)
-    return ids.to(device), attn.to(device), mask.to(device)
-
-
-def masked_nll_sum(model, batch: list[Example]) -> tuple[torch.Tensor, int]:
-    """(sum of -log p over the reply tokens, their number), teacher-forced. The vocabulary
+def masked_nll_sum(model, batch: Packed, masks: list[list[int]]) -> tuple[torch.Tensor, int]:
+    """(sum of -log p over the reply tokens, their number) of one micro-batch, teacher-forced;
+    `masks`: the action masks of its sequences, in `batch.spans` order. The vocabulary
     projection runs on the reply positions only (about a tenth of the tokens)."""
-    ids, attn, mask = _tensors(batch, next(model.parameters()).device)
-    out = model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
-    chosen = mask[:, 1:].bool()  # hidden state at t predicts token t+1
-    hidden = out.hidden_states[-1][:, :-1][chosen]
+    chosen = target_mask(batch, masks)  # hidden state at p predicts token p + 1 of its sequence
+    hidden = final_hidden(model, batch)[chosen]
     logits = model.get_output_embeddings()(hidden).float()
-    nll = torch.nn.functional.cross_entropy(logits, ids[:, 1:][chosen], reduction="sum")
+    targets = torch.roll(batch.input_ids, -1, dims=1)[chosen]
+    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
     return nll, int(chosen.sum())
 
 
+def example_micro_batches(learner: LocalLearner, examples: list[Example]) -> list[list[list[int]]]:
+    """`examples` as the learner runs them: micro-batches of rows of indices (its token budget, packed)."""
+    return learner.micro_batches([len(e.token_ids) for e in examples])
+
+
 @torch.no_grad()
-def heldout_nll(model, examples: list[Example], token_budget: int) -> float | None:
+def heldout_nll(learner: LocalLearner, examples: list[Example]) -> float | None:
     """Mean NLL per reply token over `examples` (None: none)."""
     if not examples:
         return None
-    model.eval()
+    learner.model.eval()
+    sequences = [e.token_ids for e in examples]
     total, n = 0.0, 0
-    for batch in micro_batches(examples, token_budget):
-        s, k = masked_nll_sum(model, batch)
+    for rows in example_micro_batches(learner, examples):
+        with learner.autocast():
+            s, k = masked_nll_sum(learner.model, learner.inputs(sequences, rows),
+                                  [examples[i].action_mask for row in rows for i in row])
         total, n = total + float(s), n + k
     return total / max(n, 1)
 
@@ -350,11 +351,15 @@ def sft_learner(cfg: Config, model) -> LocalLearner:
     return build_learner(cfg, model, settings=settings, warm_start=False)
 
 
-def nll_loss(n_tokens: int):
-    """The loss of one optimizer step: the token-mean NLL over its `n_tokens` reply tokens, one
-    micro-batch at a time; each hands back its NLL sum (the epoch's train NLL)."""
-    def loss_fn(model, batch: list[Example]):
-        loss_sum, _ = masked_nll_sum(model, batch)
+def nll_loss(learner: LocalLearner, examples: list[Example], n_tokens: int):
+    """The loss of one optimizer step on `examples`: the token-mean NLL over its `n_tokens` reply
+    tokens, one micro-batch (rows of indices into `examples`) at a time; each hands back its NLL
+    sum (the epoch's train NLL)."""
+    sequences = [e.token_ids for e in examples]
+
+    def loss_fn(model, rows: list[list[int]]):
+        loss_sum, _ = masked_nll_sum(model, learner.inputs(sequences, rows),
+                                     [examples[i].action_mask for row in rows for i in row])
         return loss_sum / n_tokens, float(loss_sum.detach())
 
     return loss_fn
@@ -378,22 +383,24 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
     epoch_steps = [len(optimizer_steps(order, s.batch_games, per_game)) for order in orders]
     scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lr_lambda(s, sum(epoch_steps)))
     rows = [{"kind": "epoch", "epoch": 0, "train_nll": None,
-             "heldout_nll": heldout_nll(learner.model, held, s.token_budget), "elapsed_s": round(replay_s, 3)}]
+             "heldout_nll": heldout_nll(learner, held), "elapsed_s": round(replay_s, 3)}]
     hooks.done(rows[-1])
     train_t0 = time.perf_counter()
     for epoch, order in enumerate(orders, start=1):
         hooks.phase("train", len(order))
         epoch_sum, epoch_n = 0.0, 0
         for pending in optimizer_steps(order, s.batch_games, per_game):
-            n_tokens = sum(sum(e.reply_tokens for e in b) for b in pending)
-            for nll_sum in learner.step(pending, nll_loss(n_tokens), s.grad_clip).values:
+            step_examples = [e for b in pending for e in b]  # the step's gradient; how it is cut to run, the learner's
+            n_tokens = sum(e.reply_tokens for e in step_examples)
+            loss_fn = nll_loss(learner, step_examples, n_tokens)
+            for nll_sum in learner.step(example_micro_batches(learner, step_examples), loss_fn, s.grad_clip).values:
                 epoch_sum += nll_sum
             scheduler.step()
             epoch_n += n_tokens
             hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
         learner.model.eval()
         rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
-                     "heldout_nll": heldout_nll(learner.model, held, s.token_budget), "steps": epoch_steps[epoch - 1],
+                     "heldout_nll": heldout_nll(learner, held), "steps": epoch_steps[epoch - 1],
                      "lr_end": scheduler.get_last_lr()[0],
                      "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
         hooks.done(rows[-1])

@@ -1,0 +1,199 @@
+"""Sequence packing and token-budgeted micro-batches: the learner's forward without padding.
+
+Sequences of one micro-batch are concatenated into rows (first-fit-decreasing by length), each
+with its own position ids restarting at 0. transformers (>= 4.57's masking_utils) reads a restart
+of the position ids, with no 2D attention mask and no cache, as packed sequences: every
+attention implementation then attends within each sequence only (sdpa and eager: a
+block-diagonal causal mask; flash-attention: its variable-length kernel). RoPE sees the same
+positions as unpacked, so each sequence's log-probs are those of its own forward, to float
+round-off (tests/test_packing.py holds them to 1e-5 in fp32).
+
+A row's tail after its last sequence (FFD leaves little) is filler, one more "sequence" that
+attends to itself and is never read. Rows are as wide as the longest sequence: sdpa and eager
+compute the whole block-diagonal mask, O(row^2), so a wider row spends on attention what packing
+saves on padding (on the CPU a 2,048-token row of three walkthroughs took 3-6x the attention
+time of the three alone; the learner's sequences differ in length, so rows of the longest
+still fill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# the attention implementations whose masks transformers builds from packed position ids
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` packed into rows of at most `capacity` tokens: longest first, each into
+    the first row with room (a longer sequence gets a row of its own). Deterministic."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        for r, left in enumerate(room):
+            if n <= left:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(capacity - n)
+    return rows
+
+
+def row_capacity(lengths: list[int]) -> int:
+    """A packed row's width: the longest sequence's (a row never costs more attention than padding it would)."""
+    return max(lengths, default=1)
+
+
+def token_micro_batches(lengths: list[int], token_budget: int, pack: bool = True) -> list[list[list[int]]]:
+    """Micro-batches (each a list of rows, each a list of indices into `lengths`) holding at most
+    `token_budget` tokens as computed (rows x the widest row), one row at least. `pack`: rows are
+    packed by first-fit-decreasing; else one sequence per row, rows of similar length together
+    (the padded path)."""
+    if not lengths:
+        return []
+    if pack:
+        rows = first_fit_decreasing(lengths, row_capacity(lengths))
+    else:
+        rows = [[i] for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))]
+    fill = [sum(lengths[i] for i in row) for row in rows]
+    out: list[list[list[int]]] = []
+    width = 0
+    for row, n in sorted(zip(rows, fill), key=lambda rf: -rf[1]):  # widest first: a batch's width is its first row's
+        if out and (len(out[-1]) + 1) * max(width, n) <= token_budget:
+            out[-1].append(row)
+        else:
+            out.append([row])
+            width = n
+    return out
+
+
+@dataclass
+class Packed:
+    """A micro-batch as model inputs. `spans[k]` = (row, start, length) of the k-th sequence."""
+
+    input_ids: torch.Tensor  # [R, W]
+    position_ids: torch.Tensor | None  # [R, W], restarting per sequence (None: padded rows)
+    attention_mask: torch.Tensor | None  # [R, W] for padded rows (None: packed)
+    spans: list[tuple[int, int, int]]
+
+    def model_inputs(self) -> dict:
+        if self.position_ids is not None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+    def scatter(self, per_sequence: list[list[float]] | list[list[int]], dtype=torch.float32) -> torch.Tensor:
+        """Per-token values of each sequence (e.g. action masks) laid out as the rows are."""
+        out = torch.zeros(self.input_ids.shape, dtype=dtype)
+        for (r, s, n), values in zip(self.spans, per_sequence):
+            out[r, s : s + n] = torch.as_tensor(values, dtype=dtype)
+        return out.to(self.input_ids.device)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, W] per-position values -> [N, longest] per sequence, right-padded with 0 (gradients flow)."""
+        seqs = [rows[r, s : s + n] for r, s, n in self.spans]
+        return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+
+
+def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool = True) -> Packed:
+    """Model inputs for `rows` (lists of indices into `sequences`); spans come in sequence order
+    (sequences[rows[0][0]] first ...). `packed` False: one sequence per row, right-padded."""
+    order = [i for row in rows for i in row]
+    width = max(sum(len(sequences[i]) for i in row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    attn = torch.zeros_like(ids)
+    spans: dict[int, tuple[int, int, int]] = {}
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(sequences[i])
+            ids[r, start : start + n] = torch.as_tensor(sequences[i])
+            pos[r, start : start + n] = torch.arange(n)
+            attn[r, start : start + n] = 1
+            spans[i] = (r, start, n)
+            start += n
+        pos[r, start:] = torch.arange(width - start)  # the tail: filler attending to itself
+    ordered = [spans[i] for i in order]
+    if packed:
+        return Packed(ids.to(device), pos.to(device), None, ordered)
+    return Packed(ids.to(device), None, attn.to(device), ordered)
+
+
+def supports_packing(model) -> bool:
+    """Whether the model's attention masks packed sequences from position ids (else: padded rows):
+    transformers' own model code (its masks come from masking_utils; remote code may build its
+    own and let packed sequences see each other) with one of PACKING_ATTENTION."""
+    config = getattr(model, "config", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return (type(base).__module__.startswith("transformers.models.")
+            and getattr(config, "_attn_implementation", None) in PACKING_ATTENTION)
+
+
+def final_hidden(model, batch: Packed) -> torch.Tensor:
+    """The final-norm hidden states [R, W, h] (no cache: packing needs none, and it is not kept)."""
+    out = model(**batch.model_inputs(), use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def target_mask(batch: Packed, masks: list[list[int]]) -> torch.Tensor:
+    """[R, W] bool: position p is trained when the token at p + 1 is in its sequence and masked 1
+    (a sequence's last position would predict the next sequence's first token: never)."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+    for (r, s, n), m in zip(batch.spans, masks):
+        out[r, s : s + n - 1] = torch.as_tensor(m[1:n], dtype=torch.bool)
+    return out.to(batch.input_ids.device)
+
+
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_logprobs(model, batch: Packed, chunk: int = 512) -> torch.Tensor:
+    """[N, longest] log p(token t | the sequence's tokens < t) per sequence, entry 0 = 0, right-padded
+    with 0: what `loss.token_logprobs` gives for the same sequences unpacked. The vocabulary
+    projection runs in chunks of `chunk` positions (recomputed in backward)."""
+    hidden = final_hidden(model, batch)[:, :-1]
+    targets = batch.input_ids[:, 1:]
+    lm_head = model.get_output_embeddings()
+    pieces = []
+    for start in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(lm_head, h, y))
+    logp = torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((hidden.shape[0], 0))
+    # entry t of a sequence is predicted at its position t - 1: shift right by one within the row
+    rows = torch.cat([logp.new_zeros((logp.shape[0], 1)), logp], dim=1)
+    seqs = [torch.cat([rows.new_zeros(1), rows[r, s + 1 : s + n]]) for r, s, n in batch.spans]
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+
+
+def autocast_dtype(setting: str, device) -> torch.dtype | None:
+    """The dtype `learner.autocast` asks for on `device` (None: off). auto: bf16 on a CUDA device
+    that has it, off elsewhere (CPU keeps fp32)."""
+    device = torch.device(device)
+    if setting == "off":
+        return None
+    if setting == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def autocast(setting: str, device):
+    """The forward's autocast context (a no-op when off): matmuls in bf16 over fp32 weights and
+    LoRA state; the loss's log-softmax stays fp32 (autocast's own rule, and `.float()` above)."""
+    dtype = autocast_dtype(setting, device)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
