@@ -15,7 +15,7 @@ from dataclasses import asdict
 import pytest
 
 from agentrl.config import load_config
-from agentrl.env import AlfworldEnv, prompt_options
+from agentrl.env import AlfworldEnv, EnvsOnDemand, prompt_options
 from agentrl.env.data import read_game
 from agentrl.env.pool import EnvPool, LocalEnvs
 from agentrl.env.replay import Replay, ReplayCache, export_replays, import_replays, replay_key, replay_walkthroughs
@@ -98,6 +98,11 @@ def test_a_second_replay_reads_the_cache_and_opens_no_env(tmp_path, games, token
     second = expert_dataset(sft_cfg(**{"prompt.history": 1}), chosen, tokenizer, envs=LocalEnvs(make_env),
                             cache_dir=tmp_path / "sft", replays=cache)
     assert make_env.opened == len(chosen)  # no env opened the second time
+
+    cfg = sft_cfg(**{"prompt.history": 2, "env.workers": 2})
+    pool = EnvsOnDemand(cfg)  # what the warm start opens: no worker starts when every game is cached
+    third = expert_dataset(cfg, chosen, tokenizer, envs=pool, replays=cache)
+    assert pool.opened is None and third.replay.hits == len(chosen) and len(third.examples) == len(second.examples)
     assert (second.replay.hits, second.replay.replayed) == (len(chosen), 0) and not second.cached
     assert len(second.examples) == sum(len(g.walkthrough) for g in chosen)  # history 1: one example per step
     assert not second.skipped
@@ -170,7 +175,7 @@ def test_data_replay_fills_the_cache_and_says_what_it_did(tmp_path, data_root):
     assert "2 valid_seen walkthroughs: 0 from the cache, 2 replayed (in this process)" in first.stdout
     assert "2 won, 0 unwinnable, 0 failed" in first.stdout
     second = agentrl("--env-workers", "0", "--export", str(tmp_path / "r.jsonl.xz"))
-    assert "2 from the cache, 0 replayed" in second.stdout and "wrote 2 replays to" in second.stdout
+    assert "2 from the cache, 0 replayed (no env opened)" in second.stdout and "wrote 2 replays to" in second.stdout
     (tmp_path / "bad.xz").write_text("not xz")
     bad = agentrl("--import", str(tmp_path / "bad.xz"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "cannot read" in bad.stderr

@@ -362,9 +362,10 @@ def print_games(root, splits, scans: dict) -> None:
         err.print(f"[yellow]missing splits: {', '.join(s for s in splits if s not in scans)}")
 
 
-def replay_lines(split: str, stats, workers: int, where, failed: list[tuple[str, str]]) -> list[str]:
+def replay_lines(split: str, stats, workers: int | None, where, failed: list[tuple[str, str]]) -> list[str]:
     """`agentrl data replay`: what was replayed, how fast, what won; the failures by game (a few)."""
-    how = f"{workers} env worker{'s' if workers != 1 else ''}" if workers else "in this process"
+    how = ("no env opened" if workers is None else "in this process" if workers == 0
+           else f"{workers} env worker{'s' if workers != 1 else ''}")
     lines = [f"{stats.games} {split} walkthroughs: {stats.hits} from the cache, {stats.replayed} replayed ({how}) "
              f"in {stats.seconds:.1f}s; {stats.won} won, {stats.unwinnable} unwinnable, {stats.failed} failed"
              + (f"; {stats.corrupt} damaged cache files rebuilt" if stats.corrupt else ""),

@@ -17,9 +17,8 @@ from agentrl.cli.options import ConfigOpt, DataOpt, EnvWorkersOpt, OptInt, opt, 
 from agentrl.compare import compare, verdict
 from agentrl.config import SPLITS, load_config
 from agentrl.doctor import run_checks
-from agentrl.env import env_factory, find_games, open_envs
+from agentrl.env import EnvsOnDemand, find_games
 from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_dir
-from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, export_replays, import_replays, replay_walkthroughs
 from agentrl.errors import UserError
 from agentrl.gpucheck import run_gpu_check
@@ -169,18 +168,19 @@ def data_replay(
     if import_file is not None:
         console.print(f"imported {import_replays(cache, import_file)} replays from {import_file}")
     chosen = round_robin(find_games(cfg.env.kind, split, cfg.data.root), games)
-    envs = open_envs(cfg)
-    workers = envs.workers if envs is not None else 0
+    envs = EnvsOnDemand(cfg)  # started only if a game is not in the cache
     try:
         with progress_bar() as bar:
             task = bar.add_task(f"replaying {split} walkthroughs", total=len(chosen), info="")
-            records, stats = replay_walkthroughs(chosen, envs if envs is not None else LocalEnvs(env_factory(cfg.env.kind)), cache,
-                                                 cfg.env.fuzzy_threshold, lambda n: bar.update(task, advance=n))
+            records, stats = replay_walkthroughs(chosen, envs, cache, cfg.env.fuzzy_threshold,
+                                                 lambda n: bar.update(task, advance=n))
+            workers = envs.opened.workers if envs.opened is not None else None
     finally:
-        if envs is not None:
-            envs.shutdown()
+        envs.shutdown()
     for line in replay_lines(split, stats, workers, cache.root, [(g, r.error) for g, r in records.items() if r.error]):
         console.print(line)
     if export is not None:
         n = export_replays(cache, chosen, cfg.env.fuzzy_threshold, export)
-        console.print(f"wrote {n} replays to {export} ({export.stat().st_size / 1e6:.1f} MB)")
+        size = export.stat().st_size
+        console.print(f"wrote {n} replays to {export} ({size / 1e6:.1f} MB)" if size >= 1e6 else
+                      f"wrote {n} replays to {export} ({size / 1e3:.0f} kB)")

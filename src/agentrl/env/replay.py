@@ -210,7 +210,7 @@ def replay_walkthroughs(games: list[Game], backend, cache: ReplayCache | None, f
             todo.append((g, key))
     if on_game is not None and stats.hits:
         on_game(stats.hits)
-    per_request = max(1, getattr(backend, "workers", 1))
+    per_request = max(1, getattr(backend, "workers", 1)) if todo else 1  # (asks a lazy pool to start)
     window: list = []
     for start in range(0, len(todo), per_request):
         chunk = todo[start:start + per_request]

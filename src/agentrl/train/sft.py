@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
-from agentrl.env import env_factory, find_games, open_envs, prompt_options
+from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
 from agentrl.env.data import round_robin
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
@@ -329,13 +329,12 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
     The replay records live beside the dataset cache (`<cache>/replay/`, see env/replay.py)."""
     cache_dir = cache_dir if cache_dir is not None else cache_root() / "sft-data"
     replays = ReplayCache(cache_dir.parent / REPLAY_DIRNAME)
-    envs = open_envs(cfg)
+    envs = EnvsOnDemand(cfg)  # no worker started when every walkthrough is in the replay cache
     try:
         data = expert_data(cfg, "replay", games, tokenizer, envs, cache_dir, replays, hooks)
         held = expert_data(cfg, "heldout", heldout_games, tokenizer, envs, cache_dir, replays, hooks)
     finally:
-        if envs is not None:
-            envs.shutdown()
+        envs.shutdown()
     for game_id, why in data.skipped + held.skipped:
         log.warning("walkthrough of %s skipped: %s", game_id, why)
     for name, d in (("train", data), ("held-out", held)):
