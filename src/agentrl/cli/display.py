@@ -360,3 +360,17 @@ def print_games(root, splits, scans: dict) -> None:
             console.print(f"{s}: {len(scan.unsolvable)} unsolvable games skipped")
     if len(scans) < len(splits):
         err.print(f"[yellow]missing splits: {', '.join(s for s in splits if s not in scans)}")
+
+
+def replay_lines(split: str, stats, workers: int | None, where, failed: list[tuple[str, str]]) -> list[str]:
+    """`agentrl data replay`: what was replayed, how fast, what won; the failures by game (a few)."""
+    how = ("no env opened" if workers is None else "in this process" if workers == 0
+           else f"{workers} env worker{'s' if workers != 1 else ''}")
+    lines = [f"{stats.games} {split} walkthroughs: {stats.hits} from the cache, {stats.replayed} replayed ({how}) "
+             f"in {stats.seconds:.1f}s; {stats.won} won, {stats.unwinnable} unwinnable, {stats.failed} failed"
+             + (f"; {stats.corrupt} damaged cache files rebuilt" if stats.corrupt else ""),
+             f"replay cache: {where}"]
+    lines += [f"  failed {escape(g)}: {escape(why)}" for g, why in failed[:5]]
+    if len(failed) > 5:
+        lines.append(f"  ... and {len(failed) - 5} more")
+    return lines

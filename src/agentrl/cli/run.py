@@ -258,8 +258,7 @@ def sft_cmd(
         def advance(n=1, **info) -> None:
             bar.update(task, advance=n, info=f"nll {info['nll']:.3f}" if "nll" in info else "")
 
-        hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name),
-                                                                        total if name == "train" else None),
+        hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name), total),
                              advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)))
         summary = sft.run_sft(cfg, out, force, hooks)
     for line in sft_summary_lines(summary, out):

@@ -11,15 +11,18 @@ from typing import Annotated, Optional
 import typer
 
 from agentrl.cli.app import app, data_app, model_app
-from agentrl.cli.display import console, print_analysis, print_checks, print_comparison, print_games, print_report_tables
-from agentrl.cli.options import DataOpt
+from agentrl.cli.display import (console, print_analysis, print_checks, print_comparison, print_games, print_report_tables,
+                                 progress_bar, replay_lines)
+from agentrl.cli.options import ConfigOpt, DataOpt, EnvWorkersOpt, OptInt, opt, overrides
 from agentrl.compare import compare, verdict
-from agentrl.config import SPLITS
+from agentrl.config import SPLITS, load_config
 from agentrl.doctor import run_checks
-from agentrl.env.data import resolve_data_root, scan_split, split_dir
+from agentrl.env import EnvsOnDemand, find_games
+from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_dir
+from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, export_replays, import_replays, replay_walkthroughs
 from agentrl.errors import UserError
 from agentrl.gpucheck import run_gpu_check
-from agentrl.models import prepare_default_model, resolve_model
+from agentrl.models import cache_root, prepare_default_model, resolve_model
 from agentrl.report import build_report, default_out, tables
 
 
@@ -145,3 +148,39 @@ def data_check(data: DataOpt = None) -> None:
     if not present:
         split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
     print_games(root, SPLITS, {s: scan_split(root, s) for s in present})
+
+
+@data_app.command("replay")
+def data_replay(
+    data: DataOpt = None,
+    split: opt(str, None, "The split whose walkthroughs to replay.") = "train",
+    games: opt(OptInt, None, "Games, round-robin over task types as `agentrl sft --games N` takes them (default: all of the split).") = None,
+    env_workers: EnvWorkersOpt = None,
+    export: opt(Optional[Path], None, "Then write these games' replays to this one xz-compressed file (to carry to another machine).") = None,
+    import_file: opt(Optional[Path], None, "First load a file written by --export into the replay cache.", "--import") = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Replay the walkthroughs `agentrl sft` learns from into the replay cache, on every core (see docs/warm-start.md)."""
+    cfg = load_config(config, overrides(data_replay, locals()))
+    if cfg.env.kind != "alfworld":
+        raise UserError(f"agentrl data replay replays ALFWorld games; env.kind is {cfg.env.kind!r}")
+    cache = ReplayCache(cache_root() / REPLAY_DIRNAME)
+    if import_file is not None:
+        console.print(f"imported {import_replays(cache, import_file)} replays from {import_file}")
+    chosen = round_robin(find_games(cfg.env.kind, split, cfg.data.root), games)
+    envs = EnvsOnDemand(cfg)  # started only if a game is not in the cache
+    try:
+        with progress_bar() as bar:
+            task = bar.add_task(f"replaying {split} walkthroughs", total=len(chosen), info="")
+            records, stats = replay_walkthroughs(chosen, envs, cache, cfg.env.fuzzy_threshold,
+                                                 lambda n: bar.update(task, advance=n))
+            workers = envs.opened.workers if envs.opened is not None else None
+    finally:
+        envs.shutdown()
+    for line in replay_lines(split, stats, workers, cache.root, [(g, r.error) for g, r in records.items() if r.error]):
+        console.print(line)
+    if export is not None:
+        n = export_replays(cache, chosen, cfg.env.fuzzy_threshold, export)
+        size = export.stat().st_size
+        console.print(f"wrote {n} replays to {export} ({size / 1e6:.1f} MB)" if size >= 1e6 else
+                      f"wrote {n} replays to {export} ({size / 1e3:.0f} kB)")

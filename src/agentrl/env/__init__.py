@@ -6,7 +6,7 @@ from agentrl import cluster
 from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv, GameLoadError, StepResult
 from agentrl.env.data import Game, discover_games, resolve_data_root
-from agentrl.env.pool import EnvPool, available_cores
+from agentrl.env.pool import EnvPool, LocalEnvs, available_cores
 from agentrl.env.synthetic import SyntheticEnv, synthetic_games, synthetic_messages
 from agentrl.prompt import episode_messages
 
@@ -42,6 +42,33 @@ def open_envs(cfg):
     if workers <= 0:
         return None
     return EnvPool(workers, cfg.env.kind, cfg.env.worker_timeout_s, env_overlap(cfg))
+
+
+class EnvsOnDemand:
+    """`open_envs(cfg)` (or envs in this process) opened at the first request: a walkthrough replay
+    whose games are all in the replay cache starts no worker. Shut it down when done."""
+
+    def __init__(self, cfg):
+        self.cfg, self.opened = cfg, None
+
+    def _envs(self):
+        if self.opened is None:
+            self.opened = open_envs(self.cfg) or LocalEnvs(env_factory(self.cfg.env.kind))
+        return self.opened
+
+    @property
+    def workers(self) -> int:
+        return self._envs().workers
+
+    def submit(self, op: str, items: list):
+        return self._envs().submit(op, items)
+
+    def collect(self, pending) -> list:
+        return self._envs().collect(pending)
+
+    def shutdown(self) -> None:
+        if self.opened is not None:
+            self.opened.shutdown()
 
 
 def env_overlap(cfg) -> bool:
@@ -80,6 +107,7 @@ def find_games(kind: str, split: str, data=None, task_types=(), limit: int | Non
 
 
 __all__ = [
+    "EnvsOnDemand",
     "env_factory",
     "env_workers",
     "find_games",

@@ -92,6 +92,24 @@ def read_game(path: Path, split: str) -> Game:
     )
 
 
+def round_robin(games: list[Game], n: int | None) -> list[Game]:
+    """n games taking one of each task type in turn (all games when n is None): the warm start's
+    selection (`agentrl sft --games N`, `agentrl data replay --games N`)."""
+    by_type = {t: [g for g in games if g.task_type == t] for t in TASK_TYPES}
+    by_type = {t: gs for t, gs in by_type.items() if gs}
+    out, i = [], 0
+    while by_type and (n is None or len(out) < n):
+        progressed = False
+        for t in list(by_type):
+            if i < len(by_type[t]) and (n is None or len(out) < n):
+                out.append(by_type[t][i])
+                progressed = True
+        if not progressed:
+            break
+        i += 1
+    return out
+
+
 class NotSolvable(Exception):
     pass
 

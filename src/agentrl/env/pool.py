@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from agentrl.cluster import available_cores  # noqa: F401 (where env_workers reads it)
 from agentrl.env.alfworld import GameLoadError, StepResult, warm_up
 from agentrl.env.data import Game
+from agentrl.env.replay import replay_game
 
 
 @dataclass
@@ -75,6 +76,8 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
                 if env is not None:
                     env.close()
                 out.append(None)
+            elif op == "replay":  # a whole walkthrough, its env opened and closed here (replay.py)
+                out.append(replay_game(make_env, *arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
             envs.pop(handle, None)
             out.append(EnvFailure(str(e) if isinstance(e, GameLoadError) else f"{e.__class__.__name__}: {e}"))
@@ -83,7 +86,13 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
 
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
     """A request's plan: which worker gets which items. The envs of one game go to one worker
-    (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers."""
+    (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers.
+    A replay holds no env after its answer: its items are dealt round-robin, nothing is owned."""
+    if op == "replay":
+        pending = Pending(op, [EnvFailure(f"replay lost with its {what}")] * len(items))
+        for i in range(len(items)):
+            pending.shares.setdefault(i % n_workers, []).append(i)
+        return pending
     if op == "reset":
         for handle, game in items:
             if game.game_id not in pool._by_game:
@@ -140,6 +149,8 @@ class LocalEnvs(_Batches):
                 return self._envs[handle].reset()
             if op == "step":
                 return self._envs[handle].step(arg)
+            if op == "replay":
+                return replay_game(self.make_env, *arg)
             env = self._envs.pop(handle, None)  # release
             if env is not None:
                 env.close()

@@ -31,8 +31,11 @@ from pathlib import Path
 
 import torch
 
-from agentrl.config import ADAPTER_RECORD, TASK_TYPES, Config, effective_prompt
-from agentrl.env import env_factory, find_games, open_envs, prompt_options
+from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
+from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
+from agentrl.env.data import round_robin
+from agentrl.env.pool import LocalEnvs
+from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_jsonl, read_jsonl
 from agentrl.models import cache_root, load_model
@@ -112,23 +115,7 @@ class ExpertData:
     examples: list[Example]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (game id, why)
     cached: bool = False
-
-
-def round_robin(games, n: int | None):
-    """n games taking one of each task type in turn (all games when n is None)."""
-    by_type = {t: [g for g in games if g.task_type == t] for t in TASK_TYPES}
-    by_type = {t: gs for t, gs in by_type.items() if gs}
-    out, i = [], 0
-    while by_type and (n is None or len(out) < n):
-        progressed = False
-        for t in list(by_type):
-            if i < len(by_type[t]) and (n is None or len(out) < n):
-                out.append(by_type[t][i])
-                progressed = True
-        if not progressed:
-            break
-        i += 1
-    return out
+    replay: ReplayStats | None = None  # None: the examples came from the dataset cache
 
 
 def select_games(cfg: Config, split: str, n: int | None):
@@ -159,10 +146,16 @@ def dataset_key(games, cfg: Config, tokenizer) -> str:
     return h.hexdigest()[:20]
 
 
-def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | None = None, on_step=None) -> ExpertData:
-    """Replay each game's walkthrough (one trajectory per game, all in lockstep) with the prompt
-    `cfg.prompt` asks for. A walkthrough that does not win its game is reported and skipped.
-    With `cache_dir` the examples are kept there, keyed by games, prompt and tokenizer."""
+def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | None = None, on_step=None,
+                   replays: ReplayCache | None = None, on_game=None) -> ExpertData:
+    """Replay each game's walkthrough with the prompt `cfg.prompt` asks for. A walkthrough that
+    does not win its game is reported and skipped. With `cache_dir` the examples are kept there,
+    keyed by games, prompt and tokenizer.
+
+    Two steps: the walkthroughs go through the engine on `envs`' workers (None: in this process),
+    or come from the `replays` cache (replay.py: the env's answers, keyed by game file); then one
+    trajectory per game, all in lockstep, replays those answers through the rollout's own policy
+    and renderer, in this process (`on_step`), which makes the token ids."""
     cache = cache_dir / f"{dataset_key(games, cfg, tokenizer)}.jsonl" if cache_dir else None
     if cache is not None and cache.is_file():
         rows = read_jsonl(cache)
@@ -170,11 +163,9 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
                           [(r["game_id"], r["skipped"]) for r in rows if "skipped" in r], cached=True)
     no_walkthrough = [g for g in games if not g.walkthrough]
     games = [g for g in games if g.walkthrough]
-    sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
-    longest = max((len(g.walkthrough) for g in games), default=0)
-    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, **prompt_options(cfg))
-    rollout = run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
-                           make_env=env_factory(cfg.env.kind), envs=envs, on_step=on_step) if games else None
+    backend = envs if envs is not None else LocalEnvs(env_factory(cfg.env.kind))
+    records, stats = replay_walkthroughs(games, backend, replays, cfg.env.fuzzy_threshold, on_game)
+    rollout = expert_rollout(cfg, games, tokenizer, records, on_step) if games else None
     examples, skipped = [], [(g.game_id, "no walkthrough") for g in no_walkthrough]
     for t in rollout.trajectories if rollout else []:
         if t.won:  # prompt.history N: one example per step, its window then the reply (what a rollout samples from)
@@ -183,10 +174,20 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
         else:
             why = t.error or f"the walkthrough did not win the game (ended {t.stop_reason} after {len(t.steps)} steps)"
             skipped.append((t.game.game_id, why))
-    env_failed = any(t.stop_reason == "env_error" for t in (rollout.trajectories if rollout else []))
+    env_failed = stats.failed or any(t.stop_reason == "env_error" for t in (rollout.trajectories if rollout else []))
     if cache is not None and not env_failed:  # an env failure may pass: do not remember it
         atomic_write_jsonl(cache, [e.__dict__ for e in examples] + [{"game_id": g, "skipped": w} for g, w in skipped])
-    return ExpertData(examples, skipped)
+    return ExpertData(examples, skipped, replay=stats)
+
+
+def expert_rollout(cfg: Config, games, tokenizer, records: dict, on_step=None):
+    """The walkthroughs' trajectories: the ordinary ModelPolicy driven by ExpertSampler, its
+    commands answered from the replay records (the same answers the engine gave, no engine)."""
+    sampler = ExpertSampler(tokenizer, {g.game_id: tuple(g.walkthrough) for g in games}, cfg.prompt.reply or "react")
+    longest = max(len(g.walkthrough) for g in games)
+    policy = ModelPolicy(sampler, SamplingParams(0.0, 1.0, 10_000), seed=0, **prompt_options(cfg))
+    return run_lockstep(games, policy, max_steps=longest + 1, fuzzy_threshold=cfg.env.fuzzy_threshold,
+                        make_env=recorded_envs(records), on_step=on_step)
 
 
 # ---------------------------------------------------------------- batching and the loss
@@ -306,7 +307,8 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
              "reply_tokens": sum(e.reply_tokens for e in data.examples),
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
-             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg)}]
+             "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg),
+             **({"replay_hits": data.replay.hits, "replayed": data.replay.replayed} if data.replay else {})}]
     rows += train_epochs(cfg, learner, data.examples, held.examples, hooks, replay_s)
     summary = {
         "prompt": effective_prompt(cfg),
@@ -324,22 +326,37 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
 
 
 def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None, hooks: SftHooks) -> tuple[ExpertData, ExpertData]:
-    """The expert data to learn from and the held-out one (the walkthroughs replayed, or the cache)."""
+    """The expert data to learn from and the held-out one (the walkthroughs replayed, or the cache).
+    The replay records live beside the dataset cache (`<cache>/replay/`, see env/replay.py)."""
     cache_dir = cache_dir if cache_dir is not None else cache_root() / "sft-data"
-    envs = open_envs(cfg)
+    replays = ReplayCache(cache_dir.parent / REPLAY_DIRNAME)
+    envs = EnvsOnDemand(cfg)  # no worker started when every walkthrough is in the replay cache
     try:
-        hooks.phase("replay", len(games))
-        data = expert_dataset(cfg, games, tokenizer, envs, cache_dir, on_step=lambda step, trajs: hooks.advance(0))
-        hooks.phase("heldout", len(heldout_games))
-        held = expert_dataset(cfg, heldout_games, tokenizer, envs, cache_dir) if heldout_games else ExpertData([])
+        data = expert_data(cfg, "replay", games, tokenizer, envs, cache_dir, replays, hooks)
+        held = expert_data(cfg, "heldout", heldout_games, tokenizer, envs, cache_dir, replays, hooks)
     finally:
-        if envs is not None:
-            envs.shutdown()
+        envs.shutdown()
     for game_id, why in data.skipped + held.skipped:
         log.warning("walkthrough of %s skipped: %s", game_id, why)
+    for name, d in (("train", data), ("held-out", held)):
+        if d.replay is not None:
+            r = d.replay
+            log.info("%s walkthroughs: %d from the replay cache, %d replayed in %.1fs; %d won, %d unwinnable, %d failed",
+                     name, r.hits, r.replayed, r.seconds, r.won, r.unwinnable, r.failed)
     if not data.examples:
         raise UserError(f"none of the {len(games)} selected walkthroughs could be replayed to a win; nothing to learn")
     return data, held
+
+
+def expert_data(cfg: Config, phase: str, games, tokenizer, envs, cache_dir: Path, replays: ReplayCache,
+                hooks: SftHooks) -> ExpertData:
+    """One phase's expert data, its progress shown: the walkthroughs (a game at a time), then the
+    examples built from them (a step at a time)."""
+    if not games:
+        return ExpertData([])
+    hooks.phase(phase, len(games))
+    return expert_dataset(cfg, games, tokenizer, envs, cache_dir, on_step=lambda step, trajs: hooks.advance(0),
+                          replays=replays, on_game=lambda n: hooks.advance(n))
 
 
 def sft_learner(cfg: Config, model) -> LocalLearner:
