@@ -22,6 +22,7 @@ and stops, unless `allow_cpu` (a smoke run of the same code at tiny sizes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -164,9 +165,10 @@ def _lockstep_graphs_on_off(sampler, tokenizer, size) -> dict:
     return {**main, "by_decode": result}
 
 
-def _lockstep(sampler, tokenizer, size) -> dict:
+def _lockstep(sampler, tokenizer, size, last_step=contextlib.nullcontext) -> dict:
     """The shape of a training step (not 25-token prompts): `rows` trajectories of ~`context` tokens
-    each append an observation and decode `new` tokens, `steps` times, with their KV kept."""
+    each append an observation and decode `new` tokens, `steps` times, with their KV kept.
+    `last_step()`: a context the last step runs in (a profiler: benchmarks/bench_decode.py)."""
     import torch
 
     rows, context, new, steps = size["shape"]
@@ -192,10 +194,11 @@ def _lockstep(sampler, tokenizer, size) -> dict:
         for step in range(steps):
             prompts = [p + c.token_ids + obs for p, c in zip(prompts, out)]
             _sync()
-            t0 = time.perf_counter()
-            out = sampler.generate([GenRequest(p, seed=step * rows + k, key=k) for p, k in zip(prompts, keys)], params)
-            _sync()
-            times.append(time.perf_counter() - t0)
+            with last_step() if step == steps - 1 else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                out = sampler.generate([GenRequest(p, seed=step * rows + k, key=k) for p, k in zip(prompts, keys)], params)
+                _sync()
+                times.append(time.perf_counter() - t0)
     finally:
         sampler.stop_ids = stops
         sampler.release(keys)

@@ -19,6 +19,19 @@ def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> tor
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def chunked_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """[R, W] log p(targets) from final hidden states [R, W, h]: the vocabulary projection in chunks of
+    `chunk` positions, recomputed in backward, so memory stays O(chunk x vocab), not O(W x vocab)."""
+    pieces = []
+    for start in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(lm_head, h, y))
+    return torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((hidden.shape[0], 0))
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """[N, T] log-probs; entry t = log p(input_ids[:, t] | input_ids[:, :t]); entry 0 = 0.
 
@@ -28,16 +41,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][:, :-1]  # final-norm hidden state at t predicts token t+1
-    targets = input_ids[:, 1:]
-    lm_head = model.get_output_embeddings()
-    pieces = []
-    for start in range(0, hidden.shape[1], chunk):
-        h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(lm_head, h, y))
-    logp = torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((input_ids.shape[0], 0))
+    logp = chunked_logprobs(model.get_output_embeddings(), hidden, input_ids[:, 1:], chunk)
     logp = logp * attention_mask[:, 1:].to(logp.dtype)
     return torch.cat([logp.new_zeros((input_ids.shape[0], 1)), logp], dim=1)
 

@@ -22,7 +22,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
+
+from agentrl.train.loss import chunked_logprobs
 
 # the attention implementations whose masks transformers builds from packed position ids
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -151,26 +152,12 @@ def target_mask(batch: Packed, masks: list[list[int]]) -> torch.Tensor:
     return out.to(batch.input_ids.device)
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = lm_head(hidden).float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def sequence_logprobs(model, batch: Packed, chunk: int = 512) -> torch.Tensor:
     """[N, longest] log p(token t | the sequence's tokens < t) per sequence, entry 0 = 0, right-padded
     with 0: what `loss.token_logprobs` gives for the same sequences unpacked. The vocabulary
     projection runs in chunks of `chunk` positions (recomputed in backward)."""
     hidden = final_hidden(model, batch)[:, :-1]
-    targets = batch.input_ids[:, 1:]
-    lm_head = model.get_output_embeddings()
-    pieces = []
-    for start in range(0, hidden.shape[1], chunk):
-        h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
-        if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
-        else:
-            pieces.append(_chunk_logprobs(lm_head, h, y))
-    logp = torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((hidden.shape[0], 0))
+    logp = chunked_logprobs(model.get_output_embeddings(), hidden, batch.input_ids[:, 1:], chunk)
     # entry t of a sequence is predicted at its position t - 1: shift right by one within the row
     rows = torch.cat([logp.new_zeros((logp.shape[0], 1)), logp], dim=1)
     seqs = [torch.cat([rows.new_zeros(1), rows[r, s + 1 : s + n]]) for r, s, n in batch.spans]
