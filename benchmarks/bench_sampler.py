@@ -18,6 +18,10 @@ Engines (--engines):
   new       agentrl.sampling.hf.HFSampler (the slot KV engine; a LoRA adapter merged into its weights)
   unmerged  the same engine serving the adapter through PEFT's LoRA layers (`merge_adapter=False`):
             with --adapter, `new,unmerged` measures what merging buys
+  eager     the same engine with its eager token loop (`static_decode="off"`)
+  static    the same engine with the decode step over static buffers (`static_decode="on"`):
+            captured as CUDA graphs on a GPU, run eagerly on a CPU; `eager,static` measures it
+            (`new` is the default: static on CUDA, eager on a CPU)
   previous  the engine it replaced, read from git history (src/agentrl/sampling/hf.py at commit
             813abdf; run from a git checkout): gone from the product, runnable here to compare
   generate  transformers' model.generate on the full prompts each turn (no reuse across turns)
@@ -51,7 +55,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ENGINES = ("new", "unmerged", "previous", "generate")
+ENGINES = ("new", "unmerged", "eager", "static", "previous", "generate")
+HF_ENGINES = {"new": {}, "unmerged": {"merge_adapter": False}, "eager": {"static_decode": "off"},
+              "static": {"static_decode": "on"}}
 SPLIT = "valid_seen"
 RSS_BASE_GB = 2.0  # the "2 GB" of "RSS = 2 GB + x * KV"
 
@@ -223,10 +229,10 @@ def generate(sampler, prompts, params, seeds, keys):
 
 
 def make_engine(name: str, model, tokenizer, batch_size: int):
-    if name in ("new", "unmerged"):
+    if name in HF_ENGINES:
         from agentrl.sampling.hf import HFSampler
 
-        return HFSampler(model, tokenizer, batch_size=batch_size, merge_adapter=name == "new")
+        return HFSampler(model, tokenizer, batch_size=batch_size, **HF_ENGINES[name])
     if name == "previous":
         return previous_engine()(model, tokenizer, batch_size=batch_size)
     return GenerateSampler(model, tokenizer, batch_size=batch_size)
@@ -282,7 +288,7 @@ def run_child(args) -> None:
     load_s = time.perf_counter() - t0
     sampler = make_engine(args.child, model, tok, args.batch_size)
     if args.adapter:
-        if args.child in ("new", "unmerged"):
+        if args.child in HF_ENGINES:
             from agentrl.weights import WeightsRef
 
             sampler.load(WeightsRef(args.adapter, 1))
