@@ -152,8 +152,10 @@ class LearnerConfig:
     grad_clip: float | None = 1.0  # None: no clipping (the norm before clipping is logged either way)
     micro_batch: int = 4  # trajectories per forward/backward when tokens_per_microbatch is null (same gradient)
     # tokens per forward/backward (gradient accumulation; same gradient): auto (from the learner
-    # device's free memory and the model's activation bytes per token) | N | null (micro_batch rows)
-    tokens_per_microbatch: int | str | None = "auto"
+    # device's free memory and the model's activation bytes per token: configs/gpu.yaml) | N | null
+    # (micro_batch rows: the default, so a run's micro-batches never depend on the memory free at the
+    # time, and a resumed CPU run repeats an uninterrupted one to the bit)
+    tokens_per_microbatch: int | str | None = None
     packing: bool = True  # sequences packed into rows (no padding), each attending to itself; false: padded rows
     autocast: str = "auto"  # auto (bf16 on a CUDA device with bf16, else off) | bf16 | off: the forward's matmuls
     # several optimizer steps per iteration (PPO-style): `epochs` passes over the iteration's
