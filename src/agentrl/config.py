@@ -61,6 +61,7 @@ class EnvConfig:
 
 PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context example, or none
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
+ACTION_SPACES = ("free", "admissible")  # sampling.action_space: free text + fuzzy mapping | constrained decoding
 ATTENTION_BACKENDS = ("auto", "cudnn", "efficient", "math", "flash")  # sampling.attention_backend: SDPA's kernels
 
 
@@ -104,6 +105,11 @@ class SamplingConfig:
     # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
     # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
     attention_backend: str = "auto"
+    # what a reply may be: free (any text; its `Action:` line is mapped to an admissible command by
+    # fuzzy matching) | admissible (constrained decoding: every reply is `Action: <one of the step's
+    # admissible commands>`, its log-probs renormalised over the allowed tokens; needs prompt.reply
+    # action and the hf sampler: docs/training.md#admissible-actions)
+    action_space: str = "free"
 
 
 @dataclass
@@ -400,6 +406,13 @@ def _check_sampling(c: Config) -> Checks:
         (s.static_decode in ("auto", "on", "off"), f"sampling.static_decode must be auto, on or off, got {s.static_decode!r}"),
         (s.attention_backend in ATTENTION_BACKENDS,
          f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
+        (s.action_space in ACTION_SPACES, f"sampling.action_space must be free or admissible, got {s.action_space!r}"),
+        (s.action_space != "admissible" or s.backend == "hf",
+         "sampling.action_space admissible needs the hf sampler: agentrl does not constrain vLLM's decoding yet "
+         "(docs/training.md#admissible-actions)"),
+        (s.action_space != "admissible" or c.prompt.reply != "react",
+         "sampling.action_space admissible needs prompt.reply action (replies `Action: <command>`): "
+         "a react reply's thought is free text"),
     ]
 
 

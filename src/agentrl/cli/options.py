@@ -55,6 +55,10 @@ ModelOpt = opt(OptStr, "model.name", "'default', a local HF model directory, or 
 AdapterOpt = opt(OptStr, "model.adapter", "PEFT adapter directory to apply.")
 MaxNewTokensOpt = opt(OptInt, "sampling.max_new_tokens", "Token budget of one reply.")
 SamplerOpt = opt(OptStr, "sampling.backend", "Sampler backend: hf (transformers, CPU or GPU) | vllm (GPU, LoRA hot-swap).")
+ActionSpaceOpt = opt(OptStr, "sampling.action_space",
+                     "What a reply may be: free (text; its Action: line fuzzy-matched to an admissible command) | "
+                     "admissible (constrained decoding: exactly one of the step's admissible commands; needs prompt.reply action).",
+                     "--action-space")
 EnvWorkersOpt = opt(OptStr, "env.workers", "Env worker processes: auto (one per core, the default) | N | 0 (envs in the main process).",
                     callback=_workers_value)
 RayAddressOpt = opt(OptStr, "cluster.ray_address",

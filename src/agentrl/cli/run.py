@@ -9,7 +9,7 @@ import typer
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_rollout, print_summary, progress_bar, run_line,
                                  sft_epoch_line, sft_summary_lines, start_phase, step_info)
-from agentrl.cli.options import (AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
+from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
@@ -33,6 +33,7 @@ def eval_cmd(
     samples: opt(OptInt, "eval.samples", "N episodes per game sampled at the training temperature instead of one greedy episode.") = None,
     max_new_tokens: MaxNewTokensOpt = None,
     sampler: SamplerOpt = None,
+    action_space: ActionSpaceOpt = None,
     seed: opt(OptInt, "seed", "Run seed.") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -88,6 +89,7 @@ def rollout_cmd(
     model: ModelOpt = None,
     adapter: AdapterOpt = None,
     sampler: SamplerOpt = None,
+    action_space: ActionSpaceOpt = None,
     seed: opt(OptInt, "seed", "Run seed (same seed -> same first K steps in both arms).") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -156,6 +158,7 @@ def train_cmd(
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
     sampler: SamplerOpt = None,
+    action_space: ActionSpaceOpt = None,
     seed: opt(OptInt, "seed", "Run seed (tasks, sampling, LoRA init).") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,

@@ -84,9 +84,11 @@ def env_overlap(cfg) -> bool:
 
 def prompt_options(cfg) -> dict:
     """ModelPolicy's prompt arguments from a config: the prompt folder, the messages for the env,
-    the admissible list and the history window (every policy a command builds takes these)."""
+    the admissible list, the history window, the reply format and the action space (every policy a
+    command builds takes these)."""
     return {"prompt_dir": cfg.prompt.dir, "messages": prompt_messages(cfg.env.kind, cfg.prompt),
-            "admissible": bool(cfg.prompt.admissible), "history": cfg.prompt.history or 0}
+            "admissible": bool(cfg.prompt.admissible), "history": cfg.prompt.history or 0,
+            "reply": cfg.prompt.reply or "react", "action_space": cfg.sampling.action_space}
 
 
 def prompt_messages(kind: str, prompt=None):

@@ -21,10 +21,12 @@ from agentrl.env.actions import map_action, parse_action
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
 from agentrl.env.pool import EnvFailure, LocalEnvs
-from agentrl.prompt import ChatRenderer, episode_messages, with_admissible
+from agentrl.errors import UserError
+from agentrl.prompt import ChatRenderer, episode_messages, reply_text, with_admissible
 from agentrl.rollout.signals import Trace, command_symbol, signals_at
 from agentrl.rollout.trajectory import GroupOutcome, Step, Trajectory, window
 from agentrl.sampling.base import GenRequest, Sampler, SamplingParams
+from agentrl.sampling.constraint import CommandSet
 
 log = logging.getLogger(__name__)
 
@@ -45,38 +47,72 @@ class RolloutStats:
 
 
 class ModelPolicy:
-    """Acts by sampling from a Sampler; builds each trajectory's exact tokens as it goes."""
+    """Acts by sampling from a Sampler; builds each trajectory's exact tokens as it goes.
+
+    `action_space` "admissible": each reply is constrained to `Action: <command><end of turn>` for one
+    of the step's admissible commands (sampling/constraint.py), tokenised exactly as the warm start
+    teaches it (prompt.reply_text, then the end-of-turn token); the trajectory keeps, per action
+    token, the ids it was drawn among (`Trajectory.allowed`), which is what the learner needs."""
 
     def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None,
                  messages: Callable[[str, str, str | None], list[dict]] = episode_messages, admissible: bool = False,
-                 history: int = 0):
+                 history: int = 0, reply: str = "react", action_space: str = "free"):
         self.sampler, self.params, self.seed, self.prompt_dir = sampler, params, seed, prompt_dir
         self.messages = messages  # (task_type, first observation, prompt_dir) -> chat messages
         self.admissible = admissible  # prompt.admissible: each observation lists the admissible commands
         self.history = history  # prompt.history: the task and the last N turns (0: the whole episode)
         self.renderer = ChatRenderer(sampler.tokenizer)
+        self.constrained = action_space == "admissible"
+        if self.constrained and reply != "action":
+            raise UserError("sampling.action_space admissible needs prompt.reply action (replies `Action: <command>`); "
+                            f"this run's replies are {reply!r}")
+        if self.constrained and not self.renderer.end_of_turn_ids:
+            raise UserError("sampling.action_space admissible needs a chat template that ends a reply with a token "
+                            "(the tokenizer's has none)")
+        self._command_ids: dict[str, tuple[int, ...]] = {}
         self._stopped: dict[int, bool] = {}
+
+    def constraint(self, traj: Trajectory) -> CommandSet | None:
+        """The commands the next reply may be (admissible actions), None for free text or when the env
+        lists none."""
+        if not self.constrained or not traj.admissible:
+            return None
+        return CommandSet.of({c: self._reply_ids(c) for c in traj.admissible})
+
+    def _reply_ids(self, command: str) -> tuple[int, ...]:
+        """The ids of the reply that is `command`: what the warm start teaches (sft's ExpertSampler)."""
+        ids = self._command_ids.get(command)
+        if ids is None:
+            ids = tuple(self.renderer.encode(reply_text(command, "action")) + self.renderer.end_of_turn_ids)
+            self._command_ids[command] = ids
+        return ids
 
     def start(self, traj: Trajectory) -> None:
         messages = self.messages(traj.game.task_type, self._shown(traj.initial_observation, traj), self.prompt_dir)
         traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
+        constraints = [self.constraint(t) for t in trajs]
         requests = [GenRequest(self.context(t), seed=row_seed(self.seed, t.game.game_id, t.index, len(t.steps)),
-                               key=(t.game.game_id, t.index)) for t in trajs]
+                               key=(t.game.game_id, t.index), constraint=c) for t, c in zip(trajs, constraints)]
         completions = self.sampler.generate(requests, self.params)
         if len(completions) != len(trajs):
             raise RuntimeError(f"the sampler returned {len(completions)} completions for {len(trajs)} prompts")
         completions = [self._bounded(c) for c in completions]
         self._stopped = {}  # only this step's replies are closed by observe()
-        for t, c in zip(trajs, completions):
+        texts = []
+        for t, c, con in zip(trajs, completions, constraints):
+            if self.constrained:  # per action token, the ids it was drawn among ([]: drawn freely)
+                t.allowed.extend(con.allowed_along(c.token_ids) if con else [[] for _ in c.token_ids])
+            command = con.match(c.token_ids) if con else None
+            texts.append(reply_text(command, "action") if command else c.text)  # the command itself, not its decoding
             t.append(c.token_ids, generated=True, logprobs=c.logprobs)
             t.step_tokens.append(len(c.token_ids))
             t.adapter_versions.append(c.adapter_version)
             self._stopped[id(t)] = c.finish_reason == "stop"
             if c.finish_reason != "stop":
                 t.cut_steps.append(len(t.step_tokens) - 1)
-        return [c.text for c in completions]
+        return texts
 
     def context(self, traj: Trajectory) -> list[int]:
         """The ids the next reply is sampled from: the whole episode, or its window (prompt.history)."""

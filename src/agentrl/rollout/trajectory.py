@@ -53,6 +53,9 @@ class Trajectory:
     reply_starts: list[int] = field(default_factory=list)  # offset in token_ids where each reply begins
     adapter_versions: list[int | None] = field(default_factory=list)  # the sampler's adapter version per step
     cut_steps: list[int] = field(default_factory=list)  # replies cut at max_new_tokens (no end-of-turn), by step index
+    # admissible actions (sampling.action_space): per action token, the ids it was drawn among (its constraint
+    # at that position; the learner renormalises over them); empty for free text
+    allowed: list[list[int]] = field(default_factory=list)
     # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
     stop_reason: str | None = None  # None while running
     error: str | None = None
@@ -127,6 +130,8 @@ class Trajectory:
         out["step_tokens"] = self.step_tokens
         out["reply_starts"] = self.reply_starts
         out["adapter_versions"] = self.adapter_versions
+        if self.allowed:
+            out["allowed"] = self.allowed
         return out
 
 
@@ -193,6 +198,19 @@ def step_sequences(traj, history: int) -> list[tuple[list[int], list[int], list[
         context = window(traj, history, i)
         out.append((context + list(traj.token_ids[start : start + n]), [0] * len(context) + [1] * n,
                     [0.0] * len(context) + list(traj.logprobs[start : start + n])))
+    return out
+
+
+def step_allowed(traj, history: int) -> list[list[list[int]]]:
+    """The allowed ids (admissible actions) of each of `step_sequences`' sequences, in the same order:
+    per reply its own action tokens' (the whole list once with N = 0); [] for free text."""
+    allowed = list(getattr(traj, "allowed", ()) or ())
+    if not history or not allowed:
+        return [allowed] * (1 if not history else len(traj.reply_starts))
+    out, at = [], 0
+    for n in traj.step_tokens:
+        out.append(allowed[at : at + n])
+        at += n
     return out
 
 

@@ -34,8 +34,10 @@ class GenRequest:
       whatever else is in the call and in whichever order (None: a fresh random seed).
     - `key`: names the sequence (trajectory) this prompt continues, so a backend may reuse its KV
       cache across calls until `release(key)`. A hint: results never depend on it.
-    - `constraint`: what the row may generate (issue 48's admissible-action decoder). None today:
-      a backend refuses a request with one until it implements constraints.
+    - `constraint`: what the row may generate: a `constraint.CommandSet` (the admissible commands'
+      token sequences; the row produces exactly one of them, and its log-probs are the policy's
+      renormalised over the tokens that continue one: constraint.py), or None (free text). A backend
+      that does not implement constraints refuses a request with one.
     """
 
     prompt_ids: Sequence[int]
@@ -44,20 +46,24 @@ class GenRequest:
     constraint: object | None = None
 
 
-def check_requests(requests: Sequence[GenRequest]) -> None:
-    """What every backend refuses, with the same errors."""
+def check_requests(requests: Sequence[GenRequest], constraints: bool = False) -> None:
+    """What every backend refuses, with the same errors (`constraints`: the backend implements them)."""
+    from agentrl.sampling.constraint import CommandSet
+
     for r in requests:
         if len(r.prompt_ids) == 0:
             raise ValueError("empty prompt")
-        if r.constraint is not None:
+        if r.constraint is not None and not constraints:
             raise ValueError("constrained decoding is not implemented by this sampler (GenRequest.constraint must be None)")
+        if r.constraint is not None and not isinstance(r.constraint, CommandSet):
+            raise ValueError(f"GenRequest.constraint must be a CommandSet, not {type(r.constraint).__name__}")
 
 
 @dataclass
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids, including the stop token if one was produced
-    logprobs: list[float]  # raw-model log p of each generated id
+    logprobs: list[float]  # raw-model log p of each generated id (constrained: renormalised over the allowed ids)
     text: str  # generated text without special tokens
     finish_reason: str  # "stop" (a stop token was produced) | "length" (max_new_tokens)
     adapter_version: int | None = field(default=None)

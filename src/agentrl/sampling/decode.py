@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from agentrl.sampling.base import SamplingParams
+from agentrl.sampling.constraint import CommandSet, advance, batch_tables, constrain
 from agentrl.sampling.kv import ForwardMeta, SlotStore
 
 
@@ -44,15 +45,19 @@ class DecodeState:
     span: int | None  # the first slot when the active rows' slots are consecutive
     longest: int  # the longest active prompt (host side: no sync per token)
     logits: torch.Tensor  # [len(active), V] each active row's next-token logits
+    table: torch.Tensor | None = None  # [n, C, T] each row's commands' ids, -1 padded (constraint.py; None: free text)
+    alive: torch.Tensor | None = None  # [n, C] the commands each row's reply still follows
 
     @classmethod
     def start(cls, logits: torch.Tensor, slots: list[int], prompt_len: list[int], seeds: list[int],
-              max_new_tokens: int) -> "DecodeState":
-        """The state after the prefill: `logits` [n, V], `slots`, `prompt_len` and `seeds` in request order."""
+              max_new_tokens: int, constraints: list[CommandSet | None] | None = None) -> "DecodeState":
+        """The state after the prefill: `logits` [n, V], `slots`, `prompt_len`, `seeds` and `constraints`
+        (GenRequest.constraint) in request order."""
         n, device, T = len(slots), logits.device, max_new_tokens
         order = sorted(range(n), key=lambda i: slots[i])  # slot order: a batch in consecutive slots reads a view
         row_slots = [slots[i] for i in order]
         plen = [prompt_len[i] for i in order]
+        tables = batch_tables([constraints[i] for i in order], T, device) if constraints else None
         return cls(
             order=order, row_slots=row_slots, prompt_len=plen,
             seeds=torch.tensor([int(seeds[i]) & ((1 << 63) - 1) for i in order], dtype=torch.long, device=device),
@@ -64,7 +69,8 @@ class DecodeState:
             last=torch.zeros(n, dtype=torch.long, device=device),
             active=list(range(n)), act=torch.arange(n, device=device),
             act_slots=torch.tensor(row_slots, device=device), span=span_of(row_slots), longest=max(plen),
-            logits=logits[torch.tensor(order, device=device)])
+            logits=logits[torch.tensor(order, device=device)],
+            table=tables[0] if tables else None, alive=tables[1] if tables else None)
 
     def forward_meta(self, t: int) -> ForwardMeta:
         """The metadata of the forward that feeds token t of the active rows (written at pos + t)."""
@@ -75,9 +81,14 @@ class DecodeState:
 def decode_step(state: DecodeState, t: int, params: SamplingParams, stop: torch.Tensor) -> None:
     """Token t of every active row from `state.logits`: chosen, recorded with its raw log-prob, and
     its stop checked. Device work only."""
-    act = state.act
-    raw = torch.log_softmax(state.logits, dim=-1)
-    chosen = choose(state.logits, params, state.seeds[act], t)
+    act, logits = state.act, state.logits
+    if state.table is not None:  # admissible actions: the softmax renormalised over the alive commands' tokens
+        column = state.table[act, :, t]
+        logits = constrain(logits, column, state.alive[act])
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen = choose(logits, params, state.seeds[act], t)
+    if state.table is not None:
+        state.alive[act] = advance(state.alive[act], column, chosen)
     state.tokens[act, t] = chosen
     state.logps[act, t] = raw.gather(1, chosen[:, None]).squeeze(1)
     newly = torch.isin(chosen, stop) & ~state.done[act]

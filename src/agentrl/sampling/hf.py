@@ -203,7 +203,10 @@ class HFSampler:
         a trajectory): its cached tokens are reused when they are a prefix of the prompt, so a
         multi-turn step runs only the new observation. A key lives until `release`d, or until it
         misses two calls in a row (callers that never release; the rollout's two waves take turns)."""
-        check_requests(requests)
+        check_requests(requests, constraints=True)
+        for r in requests:
+            if r.constraint is not None:
+                r.constraint.check_stops(self.stop_ids)
         prompts = [list(r.prompt_ids) for r in requests]
         seeds = [r.seed for r in requests]
         if any(s is None for s in seeds):  # drawn for every row, as before, so unseeded calls stay as random
@@ -217,7 +220,8 @@ class HFSampler:
             with use_slot_attention(self.model), sdpa_backend(self.attention_backend):
                 for start in range(0, len(prompts), self.batch_size):
                     end = start + self.batch_size
-                    out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end]))
+                    out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end],
+                                                    [r.constraint for r in requests[start:end]]))
         finally:
             self.store.release([n for n in names if isinstance(n, _Anonymous)])
         return out
@@ -235,7 +239,7 @@ class HFSampler:
 
     # ------------------------------------------------------------------ one batch
 
-    def _generate_batch(self, prompts, params: SamplingParams, seeds, names) -> list[Completion]:
+    def _generate_batch(self, prompts, params: SamplingParams, seeds, names, constraints) -> list[Completion]:
         store = self.store
         cached = [store.reusable(k, p) for k, p in zip(names, prompts)]
         self.reused_tokens += sum(cached)
@@ -246,7 +250,7 @@ class HFSampler:
             logits = self._prefill(prompts, cached, slots)
             for k, p in zip(names, prompts):
                 store.hold(k, list(p))
-            state = DecodeState.start(logits, slots, [len(p) for p in prompts], seeds, params.max_new_tokens)
+            state = DecodeState.start(logits, slots, [len(p) for p in prompts], seeds, params.max_new_tokens, constraints)
             self._decode(state, params)
         return self._completions(state, prompts, names)
 

@@ -7,7 +7,8 @@ log-prob, update the done flags, then the model's forward of the chosen tokens t
 store - reads and writes only tensors allocated once per graph key, so on CUDA it is captured
 once into a `torch.cuda.CUDAGraph` and replayed with one launch per token.
 
-- Graph key: (first slot of the batch, batch bucket, KV-read bucket, greedy, top-p on, T). Every
+- Graph key: (first slot of the batch, batch bucket, KV-read bucket, greedy, top-p on, T, command
+  bucket: admissible actions' tables, constraint.py, 0 for free text). Every
   per-step scalar (token index, write positions, temperature, top_p) is a device tensor, the rest
   is in the key; every graph shares one memory pool.
 - The batch reads the store as a view from its first slot (`SlotStore(hold_still=True)` keeps
@@ -31,10 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from agentrl.sampling.base import SamplingParams
+from agentrl.sampling.constraint import advance, column_at, constrain
 from agentrl.sampling.decode import DecodeState, compact, sample
 from agentrl.sampling.kv import ForwardMeta, SlotView, batch_bucket
 
 KV_READ_STEP = 256  # positions: the KV-read buckets (attention reads up to 255 masked positions more per row)
+COMMANDS_STEP = 32  # a constrained batch's command tables are padded to a multiple of this (fewer graph keys)
 
 
 def kv_read_bucket(n: int, capacity: int) -> int:
@@ -50,6 +53,7 @@ class StepKey:
     greedy: bool
     top_p: bool  # a nucleus cut (sorting the vocabulary) is part of the step
     max_new_tokens: int  # width of the token buffers
+    commands: int = 0  # admissible actions: the command tables' bucket (0: free text, no constraint in the step)
 
 
 class StaticStep:
@@ -67,17 +71,25 @@ class StaticStep:
         self.tokens, self.logps = z(B, T), z(B, T, dtype=torch.float32)
         self.length, self.done = z(B), z(B, dtype=torch.bool)
         self.positions = torch.arange(key.kv_read, device=device)[None, None, None, :]
+        # constraint.py's tables: each row's commands' ids and which it still follows (padding rows: none)
+        self.table = torch.full((B, key.commands, T), -1, dtype=torch.long, device=device) if key.commands else None
+        self.alive = z(B, key.commands, dtype=torch.bool) if key.commands else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.generation = storage.generation
 
     def run(self) -> None:
         """One token step of the whole bucket: device work only, no host sync, no tensor built from host data."""
-        key = self.key
-        raw = torch.log_softmax(self.logits, dim=-1)
+        key, logits = self.key, self.logits
+        if key.commands:  # admissible actions (constraint.py): renormalised over the alive commands' next tokens
+            column = column_at(self.table, self.t)
+            logits = constrain(logits, column, self.alive)
+        raw = torch.log_softmax(logits, dim=-1)
         if key.greedy:
-            chosen = self.logits.argmax(dim=-1)
+            chosen = logits.argmax(dim=-1)
         else:
-            chosen = sample(self.logits, self.seeds, self.t, self.temperature, self.top_p if key.top_p else None)
+            chosen = sample(logits, self.seeds, self.t, self.temperature, self.top_p if key.top_p else None)
+        if key.commands:
+            self.alive.copy_(advance(self.alive, column, chosen))
         column = self.t.expand(key.rows)[:, None]
         self.tokens.scatter_(1, column, chosen[:, None])
         self.logps.scatter_(1, column, raw.gather(1, chosen[:, None]))
@@ -160,7 +172,8 @@ def decode_static(sampler, state: DecodeState, params: SamplingParams, every: in
     while t < T:
         key = StepKey(start=state.span, rows=batch_bucket(len(state.active)),
                       kv_read=kv_read_bucket(state.longest + T, store.capacity), greedy=params.greedy,
-                      top_p=not params.greedy and params.top_p < 1.0, max_new_tokens=T)
+                      top_p=not params.greedy and params.top_p < 1.0, max_new_tokens=T,
+                      commands=0 if state.table is None else -(-state.table.shape[1] // COMMANDS_STEP) * COMMANDS_STEP)
         step = sampler.static.step(key, sampler, state.logits.shape[-1])
         _load(step, state, params, t, store.scratch)
         while True:
@@ -198,9 +211,16 @@ def _load(step: StaticStep, state: DecodeState, params: SamplingParams, t: int, 
     step.done[n:] = True  # padding rows never count as newly stopped
     step.temperature.fill_(max(params.temperature, 1e-6))
     step.top_p.fill_(params.top_p)
+    if step.table is not None:
+        C = state.table.shape[1]
+        step.table.fill_(-1)
+        step.alive.zero_()
+        step.table[:n, :C], step.alive[:n, :C] = state.table[act], state.alive[act]
 
 
 def _unload(step: StaticStep, state: DecodeState) -> None:
     n, act = len(state.active), state.act
     state.tokens[act], state.logps[act] = step.tokens[:n], step.logps[:n]
     state.length[act], state.done[act] = step.length[:n], step.done[:n]
+    if step.table is not None:
+        state.alive[act] = step.alive[:n, : state.alive.shape[1]]

@@ -29,6 +29,7 @@ class TrainItem:
     logprobs: list[float]
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
     reply_starts: list[int] = field(default_factory=list)  # where each reply begins (prompt.history's windows)
+    allowed: list[list[int]] = field(default_factory=list)  # admissible actions: per action token, the ids it was drawn among ([]: free text)
 
 
 @dataclass
@@ -82,8 +83,9 @@ class Learner(Protocol):
 
 def train_items(batch) -> list:
     """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
-    step tokens, reply starts), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
-    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens), list(t.reply_starts)),
+    step tokens, reply starts, allowed ids), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
+    return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens), list(t.reply_starts),
+              [list(a) for a in getattr(t, "allowed", ())]),
              [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
 
 

@@ -24,7 +24,7 @@ from agentrl.config import Config, LearnerConfig, effective_prompt, write_adapte
 from agentrl.errors import UserError
 from agentrl.io import atomic_path
 from agentrl.models import load_model, quiet_peft
-from agentrl.rollout.trajectory import is_zero, step_sequences, token_advantages, trained_tokens
+from agentrl.rollout.trajectory import is_zero, step_allowed, step_sequences, token_advantages, trained_tokens
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
@@ -47,11 +47,19 @@ def per_step_items(batch, history: int) -> list[tuple[TrainItem, object]]:
     trajectory's, so seq-sum and token-mean losses keep their meaning (N: trajectories)."""
     out = []
     for t, a in batch:
-        for i, (ids, mask, logprobs) in enumerate(step_sequences(t, history)):
+        for i, ((ids, mask, logprobs), allowed) in enumerate(zip(step_sequences(t, history), step_allowed(t, history))):
             n = sum(mask)
             if n:  # an empty reply has no token to train
-                out.append((TrainItem(ids, mask, logprobs, [n]), [a[i]] if isinstance(a, (list, tuple)) else a))
+                out.append((TrainItem(ids, mask, logprobs, [n], allowed=allowed),
+                            [a[i]] if isinstance(a, (list, tuple)) else a))
     return out
+
+
+def constraints_of(items) -> list | None:
+    """Per item (a trajectory, a TrainItem), its (action mask, allowed ids per action token) when its
+    replies were drawn under admissible actions; None when none was (free text: nothing to apply)."""
+    out = [(t.action_mask, t.allowed) if getattr(t, "allowed", None) else None for t in items]
+    return out if any(out) else None
 
 
 def build_learner(cfg: Config, model=None, settings: LearnerConfig | None = None, warm_start: bool = True,
@@ -159,9 +167,10 @@ class LocalLearner:
                     for s in range(0, len(lengths), cfg.micro_batch)]
         return token_micro_batches(lengths, budget, pack=self.packing)
 
-    def inputs(self, sequences: list[list[int]], rows: list[list[int]]) -> Packed:
-        """One micro-batch's model inputs (`rows` index `sequences`), packed when the learner packs."""
-        return pack(sequences, rows, self.device, packed=self.packing)
+    def inputs(self, sequences: list[list[int]], rows: list[list[int]], constraints: list | None = None) -> Packed:
+        """One micro-batch's model inputs (`rows` index `sequences`), packed when the learner packs;
+        `constraints` (per sequence: `constraints_of`) carry admissible actions' allowed ids."""
+        return pack(sequences, rows, self.device, packed=self.packing, constraints=constraints)
 
     def autocast(self):
         """The forward's autocast (learner.autocast); the weights and LoRA state stay as loaded."""
@@ -265,11 +274,12 @@ class LocalLearner:
         kl_tokens = max(1, sum(trained_tokens(*plan.work[i]) for i in idx)) if ref is not None else 1
 
         sequences = [t.token_ids for t, _ in plan.work]
+        constraints = constraints_of([t for t, _ in plan.work])
 
         def loss_fn(model, rows):
             part_idx = [i for row in rows for i in row]
             part = [plan.work[i] for i in part_idx]
-            logp = sequence_logprobs(model, self.inputs(sequences, rows))
+            logp = sequence_logprobs(model, self.inputs(sequences, rows, constraints))
             width = logp.shape[1]
             mask = self._per_token([t.action_mask for t, _ in part], width)
             sampler_logp = self._per_token([t.logprobs for t, _ in part], width)
@@ -340,10 +350,11 @@ class LocalLearner:
                 p.copy_(r)
         try:
             sequences = [t.token_ids for t, _ in work]
+            constraints = constraints_of([t for t, _ in work])
             out: list[torch.Tensor | None] = [None] * len(work)
             for rows in self.micro_batches([len(ids) for ids in sequences]):
                 with self.autocast():
-                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows))
+                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows, constraints))
                 for k, i in enumerate(i for row in rows for i in row):
                     out[i] = logp[k, : len(sequences[i])].float().clone()
             return out

@@ -14,21 +14,32 @@ from torch.utils.checkpoint import checkpoint
 from agentrl.config import LOSS_AGGREGATIONS as AGGREGATIONS
 
 
-def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
     logits = lm_head(hidden).float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if allowed is None:
+        return logp
+    # constrained positions (admissible actions, sampling/constraint.py): the softmax renormalised over the
+    # allowed ids, as the sampler drew them: logit(target) - logsumexp(logits of the allowed ids)
+    some = allowed >= 0
+    picked = logits.gather(-1, allowed.clamp(min=0)).masked_fill(~some, float("-inf"))
+    constrained = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(picked, dim=-1)
+    return torch.where(some.any(dim=-1), constrained, logp)
 
 
-def chunked_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def chunked_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 512,
+                     allowed: torch.Tensor | None = None) -> torch.Tensor:
     """[R, W] log p(targets) from final hidden states [R, W, h]: the vocabulary projection in chunks of
-    `chunk` positions, recomputed in backward, so memory stays O(chunk x vocab), not O(W x vocab)."""
+    `chunk` positions, recomputed in backward, so memory stays O(chunk x vocab), not O(W x vocab).
+    `allowed` [R, W, A] (-1 padded): where a position lists ids, the log-prob is renormalised over them."""
     pieces = []
     for start in range(0, hidden.shape[1], chunk):
         h, y = hidden[:, start : start + chunk], targets[:, start : start + chunk]
+        a = None if allowed is None else allowed[:, start : start + chunk]
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, lm_head, h, y, a, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(lm_head, h, y))
+            pieces.append(_chunk_logprobs(lm_head, h, y, a))
     return torch.cat(pieces, dim=1) if pieces else hidden.new_zeros((hidden.shape[0], 0))
 
 

@@ -60,6 +60,7 @@ class BufferTrajectory:
     observations: list[str] = field(default_factory=list)  # o after each step
     initial_observation: str = ""
     stop_reason: str | None = None
+    allowed: list[list[int]] = field(default_factory=list)  # admissible actions: per action token, the ids it was drawn among
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -159,6 +160,7 @@ def _trajectory(rec: dict, where: str) -> BufferTrajectory:
             token_ids=[int(x) for x in ids], action_mask=[1 if int(m) else 0 for m in mask],
             logprobs=[float(x) for x in logprobs], symbols=symbols, observations=observations or [],
             initial_observation=str(rec.get("initial_observation", "")), stop_reason=rec.get("stop_reason"),
+            allowed=[[int(x) for x in a] for a in rec.get("allowed") or []],
         )
     except (TypeError, ValueError) as e:
         raise UserError(f"{where}: bad value ({e})") from None
@@ -231,6 +233,7 @@ class TrainView:
     action_mask: list[int]
     logprobs: list[float]
     positions: list[int]  # indices into the trajectory's action spans
+    allowed: list[list[int]] = field(default_factory=list)  # the sampled spans' allowed ids (admissible actions)
 
     @property
     def items(self) -> int:
@@ -246,7 +249,13 @@ def make_view(traj: BufferTrajectory, positions: Sequence[int]) -> TrainView:
     for p in chosen:
         s, e = spans[p]
         mask[s:e] = [1] * (e - s)
-    return TrainView(traj.task_id, traj.index, traj.token_ids[:end], mask, traj.logprobs[:end], chosen)
+    allowed = []
+    if traj.allowed:  # per action token in order: span p's are those after the spans before it
+        offsets = [0]
+        for s, e in spans:
+            offsets.append(offsets[-1] + e - s)
+        allowed = [a for p in chosen for a in traj.allowed[offsets[p] : offsets[p + 1]]]
+    return TrainView(traj.task_id, traj.index, traj.token_ids[:end], mask, traj.logprobs[:end], chosen, allowed)
 
 
 @dataclass

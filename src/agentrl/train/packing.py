@@ -83,6 +83,7 @@ class Packed:
     position_ids: torch.Tensor | None  # [R, W], restarting per sequence (None: padded rows)
     attention_mask: torch.Tensor | None  # [R, W] for padded rows (None: packed)
     spans: list[tuple[int, int, int]]
+    allowed: torch.Tensor | None = None  # [R, W, A] ids the token at each position was drawn among (-1: free)
 
     def model_inputs(self) -> dict:
         if self.position_ids is not None:
@@ -102,9 +103,11 @@ class Packed:
         return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
 
-def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool = True) -> Packed:
+def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool = True,
+         constraints: list | None = None) -> Packed:
     """Model inputs for `rows` (lists of indices into `sequences`); spans come in sequence order
-    (sequences[rows[0][0]] first ...). `packed` False: one sequence per row, right-padded."""
+    (sequences[rows[0][0]] first ...). `packed` False: one sequence per row, right-padded.
+    `constraints`: per sequence (action mask, allowed ids per action token) or None (`allowed_ids`)."""
     order = [i for row in rows for i in row]
     width = max(sum(len(sequences[i]) for i in row) for row in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -122,9 +125,32 @@ def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool
             start += n
         pos[r, start:] = torch.arange(width - start)  # the tail: filler attending to itself
     ordered = [spans[i] for i in order]
+    allowed = allowed_ids(ids.shape, [spans[i] for i in order], [constraints[i] for i in order], device) if constraints else None
     if packed:
-        return Packed(ids.to(device), pos.to(device), None, ordered)
-    return Packed(ids.to(device), None, attn.to(device), ordered)
+        return Packed(ids.to(device), pos.to(device), None, ordered, allowed)
+    return Packed(ids.to(device), None, attn.to(device), ordered, allowed)
+
+
+def allowed_ids(shape, spans: list[tuple[int, int, int]], constraints: list, device) -> torch.Tensor | None:
+    """[R, W, A]: at each position the ids its token was drawn among (admissible actions: the
+    sampler's constraint, stored per action token as `allowed`), -1 where it was free. Each of
+    `constraints` is (action mask, allowed per action token in order) or None; None when no
+    position is constrained."""
+    entries = []  # (row, position, ids)
+    for (r, s, n), c in zip(spans, constraints):
+        if not c or not c[1]:
+            continue
+        mask, allowed = c
+        positions = [p for p in range(n) if mask[p]]
+        if len(positions) != len(allowed):
+            raise ValueError(f"{len(allowed)} allowed-id lists for {len(positions)} action tokens")
+        entries += [(r, s + p, ids) for p, ids in zip(positions, allowed) if ids]
+    if not entries:
+        return None
+    out = torch.full((*shape, max(len(ids) for _, _, ids in entries)), -1, dtype=torch.long)
+    for r, q, ids in entries:
+        out[r, q, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    return out.to(device)
 
 
 def supports_packing(model) -> bool:
@@ -155,9 +181,11 @@ def target_mask(batch: Packed, masks: list[list[int]]) -> torch.Tensor:
 def sequence_logprobs(model, batch: Packed, chunk: int = 512) -> torch.Tensor:
     """[N, longest] log p(token t | the sequence's tokens < t) per sequence, entry 0 = 0, right-padded
     with 0: what `loss.token_logprobs` gives for the same sequences unpacked. The vocabulary
-    projection runs in chunks of `chunk` positions (recomputed in backward)."""
+    projection runs in chunks of `chunk` positions (recomputed in backward). Where the batch
+    carries `allowed` ids (admissible actions) a log-prob is renormalised over them, as sampled."""
     hidden = final_hidden(model, batch)[:, :-1]
-    logp = chunked_logprobs(model.get_output_embeddings(), hidden, batch.input_ids[:, 1:], chunk)
+    allowed = None if batch.allowed is None else batch.allowed[:, 1:]  # the token at p + 1, predicted at p
+    logp = chunked_logprobs(model.get_output_embeddings(), hidden, batch.input_ids[:, 1:], chunk, allowed)
     # entry t of a sequence is predicted at its position t - 1: shift right by one within the row
     rows = torch.cat([logp.new_zeros((logp.shape[0], 1)), logp], dim=1)
     seqs = [torch.cat([rows.new_zeros(1), rows[r, s + 1 : s + n]]) for r, s, n in batch.spans]

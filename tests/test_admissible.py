@@ -1,0 +1,200 @@
+"""The admissible action space (issue 48): constrained decoding over the step's admissible commands.
+
+On the tiny random Llama (fp32, CPU): a constrained row produces exactly one of its commands
+whatever the model prefers (commands that share prefixes, one that is a prefix of another), its
+log-probs are the policy's renormalised over the allowed tokens and equal the learner's teacher-
+forced ones (1e-5), forced tokens have log-prob 0, the static step equals the eager loop, and what
+the trajectory stores survives its record and a Tier-3 resume. No test relies on which command a
+model samples: each asserts a property that holds for every sample."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.prompt import ChatRenderer, reply_text
+from agentrl.sampling.base import GenRequest, SamplingParams
+from agentrl.sampling.constraint import CommandSet, advance, batch_tables, column_at, constrain
+from agentrl.sampling.hf import HFSampler
+
+COMMANDS = ["go to shelf 1", "go to shelf 10", "go to sidetable 1", "take apple 1 from shelf 1", "look", "inventory",
+            "examine shelf 1", "put apple 1 in/on countertop 1"]
+
+
+def command_set(tokenizer, commands=COMMANDS) -> CommandSet:
+    r = ChatRenderer(tokenizer)
+    return CommandSet.of({c: r.encode(reply_text(c, "action")) + r.end_of_turn_ids for c in commands})
+
+
+def prompts(tokenizer, n=3):
+    r = ChatRenderer(tokenizer)
+    return [r.initial([{"role": "user", "content": f"You are in room {i}. Your task is to put an apple on a shelf."}])
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------- the device rule, by hand
+def test_the_allowed_tokens_are_the_alive_commands_next_tokens():
+    """Commands [5 6 9], [5 7 9], [5 6 8 9] (two share a prefix; [5 6] begins two): the rule allows
+    exactly the alive commands' t-th tokens, and a row with no alive command is left free."""
+    cs = [CommandSet(((5, 6, 9), (5, 7, 9), (5, 6, 8, 9))), None]
+    table, alive = batch_tables(cs, 6, "cpu")
+    logits = torch.zeros((2, 12))
+    allowed = lambda out: [torch.isfinite(row).nonzero().flatten().tolist() for row in out]  # noqa: E731
+    assert allowed(constrain(logits, column_at(table, 0), alive)) == [[5], list(range(12))]
+    alive = advance(alive, column_at(table, 0), torch.tensor([5, 3]))
+    assert allowed(constrain(logits, column_at(table, 1), alive)) == [[6, 7], list(range(12))]
+    alive = advance(alive, column_at(table, 1), torch.tensor([6, 3]))
+    assert allowed(constrain(logits, column_at(table, 2), alive))[0] == [8, 9]
+    alive = advance(alive, column_at(table, torch.tensor([2])), torch.tensor([9, 3]))  # a device-scalar t
+    assert alive[0].tolist() == [True, False, False]
+    assert allowed(constrain(logits, column_at(table, 3), alive))[0] == list(range(12))  # past its end: free
+
+
+def test_allowed_along_and_match():
+    cs = CommandSet.of({"a": (5, 6, 9), "b": (5, 7, 9), "c": (5, 6, 8, 9), "a again": (5, 6, 9)})
+    assert cs.commands == ((5, 6, 9), (5, 7, 9), (5, 6, 8, 9))  # one reply, one entry
+    assert cs.allowed_along([5, 6, 8, 9]) == [[5], [6, 7], [8, 9], [9]]
+    assert cs.match([5, 6, 8, 9]) == "c" and cs.match([5, 6]) is None
+    with pytest.raises(ValueError):
+        CommandSet(())
+    with pytest.raises(ValueError):
+        cs.check_stops({8})  # 9 does not stop; 8 would stop inside "c"
+
+
+# ---------------------------------------------------------------- the sampler
+@pytest.mark.parametrize("static", ["off", "on"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_reply_is_one_of_its_commands(tiny_model, tokenizer, static, temperature):
+    """A random model never writes `Action: ...` on its own; constrained, every row's reply is
+    exactly one of its commands (each row its own set), ended by the end-of-turn token."""
+    sampler = HFSampler(tiny_model, tokenizer, static_decode=static)
+    sets = [command_set(tokenizer), command_set(tokenizer, COMMANDS[:3]), command_set(tokenizer, ["look"])]
+    reqs = [GenRequest(p, seed=10 + i, constraint=c) for i, (p, c) in enumerate(zip(prompts(tokenizer), sets))]
+    for c, cs in zip(sampler.generate(reqs, SamplingParams(temperature, 1.0, 24)), sets):
+        assert tuple(c.token_ids) in cs.commands and c.finish_reason == "stop"
+        assert cs.match(c.token_ids) in COMMANDS
+    only = sampler.generate(reqs[2:], SamplingParams(temperature, 1.0, 24))[0]
+    assert only.logprobs == [0.0] * len(only.token_ids)  # one command: every token forced, log-prob exactly 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_constrained_logprobs_are_the_renormalised_policy(tiny_model, tokenizer, temperature):
+    """Each log-prob = log_softmax of the raw logits restricted to the allowed ids (temperature 1),
+    computed here by an independent teacher-forced forward."""
+    sampler = HFSampler(tiny_model, tokenizer)
+    cs = command_set(tokenizer)
+    prompt = prompts(tokenizer, 1)[0]
+    c = sampler.generate([GenRequest(prompt, seed=3, constraint=cs)], SamplingParams(temperature, 1.0, 24))[0]
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+    for t, (token, allowed) in enumerate(zip(c.token_ids, cs.allowed_along(c.token_ids))):
+        expected = float(logits[t, token] - torch.logsumexp(logits[t, allowed], dim=0))
+        assert c.logprobs[t] == pytest.approx(expected, abs=1e-5)
+        if len(allowed) == 1:
+            assert c.logprobs[t] == 0.0
+
+
+def test_static_step_equals_eager_under_constraints(tiny_model, tokenizer):
+    sets = [command_set(tokenizer), command_set(tokenizer, COMMANDS[2:6]), None]
+    reqs = [GenRequest(p, seed=7 + i, constraint=c) for i, (p, c) in enumerate(zip(prompts(tokenizer), sets))]
+    for temperature in (0.0, 0.9):
+        params = SamplingParams(temperature, 1.0, 16)
+        eager = HFSampler(tiny_model, tokenizer, static_decode="off").generate(reqs, params)
+        static = HFSampler(tiny_model, tokenizer, static_decode="on").generate(reqs, params)
+        for a, b in zip(eager, static):
+            assert a.token_ids == b.token_ids
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_a_row_tokens_depend_only_on_its_seed(tiny_model, tokenizer):
+    """Alone or beside other (constrained or free) rows, a constrained row samples the same reply."""
+    sampler = HFSampler(tiny_model, tokenizer)
+    cs = command_set(tokenizer)
+    p = prompts(tokenizer, 3)
+    params = SamplingParams(1.0, 1.0, 24)
+    alone = sampler.generate([GenRequest(p[0], seed=99, constraint=cs)], params)[0]
+    mixed = sampler.generate([GenRequest(p[1], seed=5), GenRequest(p[2], seed=6, constraint=command_set(tokenizer, ["look"])),
+                              GenRequest(p[0], seed=99, constraint=cs)], params)[2]
+    assert alone.token_ids == mixed.token_ids
+
+
+def test_vllm_and_bad_constraints_are_refused(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer)
+    with pytest.raises(ValueError, match="CommandSet"):
+        sampler.generate([GenRequest(prompts(tokenizer, 1)[0], constraint=["look"])], SamplingParams())
+    r = ChatRenderer(tokenizer)
+    no_stop = CommandSet.of({"look": r.encode("Action: look")})
+    with pytest.raises(ValueError, match="stop token"):
+        sampler.generate([GenRequest(prompts(tokenizer, 1)[0], constraint=no_stop)], SamplingParams())
+    from agentrl.config import load_config
+    from agentrl.errors import UserError
+
+    with pytest.raises(UserError, match="hf sampler"):
+        load_config(None, {"sampling.action_space": "admissible", "sampling.backend": "vllm"})
+    with pytest.raises(UserError, match="prompt.reply action"):
+        load_config(None, {"sampling.action_space": "admissible", "prompt.reply": "react"})
+    with pytest.raises(UserError, match="free or admissible"):
+        load_config(None, {"sampling.action_space": "commands"})
+
+
+# ---------------------------------------------------------------- sampler = learner
+@pytest.mark.parametrize("history", [0, 1])
+def test_sampler_logprobs_equal_the_learners(tiny_model, tokenizer, games, history):
+    """A real constrained rollout on real games: the learner's teacher-forced log-probs (its own
+    path: packing, the allowed ids per action token) equal the sampler's to 1e-5 (fp32), on the
+    whole episode, or per reply under prompt.history 1; every action is valid."""
+    import copy
+    import dataclasses
+
+    from agentrl.config import LearnerConfig
+    from agentrl.rollout.lockstep import ModelPolicy, run_lockstep
+    from agentrl.train.learner import LocalLearner, per_step_items
+
+    sampler = HFSampler(tiny_model, tokenizer)
+    game = games["pick_and_place_simple"]
+    policy = ModelPolicy(sampler, SamplingParams(1.0, 1.0, 24), seed=2, reply="action", action_space="admissible",
+                         history=history)
+    rollout = run_lockstep([game], policy, max_steps=3, group_size=2)
+    trajs = rollout.trajectories
+    assert all(s.valid and s.match_score == 100.0 for t in trajs for s in t.steps)
+    for t in trajs:
+        assert len(t.allowed) == sum(t.action_mask)
+        assert any(len(a) > 1 for a in t.allowed) and any(len(a) == 1 for a in t.allowed)  # chosen and forced tokens
+    learner = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4))  # fresh LoRA: B = 0, the same policy
+    items = per_step_items([(t, 1.0) for t in trajs], history) if history else [(t, 1.0) for t in trajs]
+    for (t, _), logp in zip(items, learner._logprobs(items)):
+        mask = torch.tensor(t.action_mask, dtype=torch.bool)
+        assert torch.allclose(logp[mask], torch.tensor(t.logprobs)[mask], atol=1e-5)
+    free = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4))._logprobs([(dataclasses.replace(trajs[0], allowed=[]), 1.0)])[0]
+    mask = torch.tensor(trajs[0].action_mask, dtype=torch.bool)
+    assert not torch.allclose(free[mask], torch.tensor(trajs[0].logprobs)[mask], atol=1e-3)  # the mask matters
+
+
+def test_what_the_learner_needs_survives_the_record(tiny_model, tokenizer, games):
+    from agentrl.rollout.lockstep import ModelPolicy, run_lockstep
+    from agentrl.rollout.trajectory import Trajectory
+    from agentrl.train.handoff import from_train_items, train_items
+
+    policy = ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 24), seed=4, reply="action",
+                         action_space="admissible")
+    t = run_lockstep([games["look_at_obj_in_light"]], policy, max_steps=2).trajectories[0]
+    again = Trajectory.from_json(t.to_json())
+    assert again.allowed == t.allowed and t.record()["allowed"] == t.allowed
+    (item, adv), = from_train_items(train_items([(t, 0.5)]))
+    assert item.allowed == t.allowed and adv == 0.5
+
+
+def test_forced_tokens_carry_no_gradient(tiny_model, tokenizer):
+    """A forced token's log-prob is 0 whatever the weights: the loss's gradient through it is 0."""
+    from agentrl.train.packing import pack, sequence_logprobs
+
+    r = ChatRenderer(tokenizer)
+    reply = r.encode("Action: look") + r.end_of_turn_ids
+    ids = prompts(tokenizer, 1)[0] + reply
+    mask = [0] * (len(ids) - len(reply)) + [1] * len(reply)
+    batch = pack([ids], [[0]], "cpu", constraints=[(mask, [[t] for t in reply])])
+    logp = sequence_logprobs(tiny_model, batch)
+    assert logp[0, -len(reply):].abs().max().item() == 0.0
+    assert not math.isnan(float(logp.detach().sum()))
