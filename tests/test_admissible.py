@@ -198,3 +198,17 @@ def test_forced_tokens_carry_no_gradient(tiny_model, tokenizer):
     logp = sequence_logprobs(tiny_model, batch)
     assert logp[0, -len(reply):].abs().max().item() == 0.0
     assert not math.isnan(float(logp.detach().sum()))
+
+
+def test_tier2_views_keep_the_sampled_spans_allowed_ids():
+    """Tier 2 trains prefixes with some action spans masked in: each view carries exactly those
+    spans' allowed ids, in order (the learner pairs them with the view's action tokens)."""
+    from agentrl.train.offpolicy import BufferTrajectory, make_view
+
+    mask = [0, 0, 1, 1, 0, 1, 1, 1, 0, 1]  # spans (2, 4), (5, 8), (9, 10)
+    allowed = [[1], [2, 3], [4], [5, 6], [7], [8, 9]]
+    traj = BufferTrajectory("t", 0, 1.0, list(range(10)), mask, [0.0] * 10, allowed=allowed)
+    view = make_view(traj, [0, 2])
+    assert view.allowed == [[1], [2, 3], [8, 9]] and sum(view.action_mask) == 3
+    assert make_view(traj, [1]).allowed == [[4], [5, 6], [7]]
+    assert make_view(BufferTrajectory("t", 0, 1.0, list(range(10)), mask, [0.0] * 10), [1]).allowed == []
