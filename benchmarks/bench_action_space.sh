@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 48's action-space A/B: one adapter evaluated greedily on the same held-out games with free
+# text (its Action: line fuzzy-mapped to an admissible command) and with admissible actions
+# (constrained decoding), then compared paired (`agentrl compare`: each side's success with its 95%
+# interval, the difference, the exact McNemar p over the games one side won alone).
+#
+#   bash benchmarks/bench_action_space.sh ADAPTER [OUT] [CONFIG]
+#
+# ADAPTER: a warm start (`agentrl sft`, prompt.reply action) or a trained adapter; OUT defaults to
+# runs/action-space-<time>; CONFIG to configs/learning.yaml (T_max 30, max_new_tokens 32). Every
+# eval writes OUT/<space>/<split>/ (episodes.jsonl, summary.json); the comparison OUT/compare/.
+# SPLITS="valid_seen" limits the splits (default: both, all 140 + 134 games).
+set -euo pipefail
+ADAPTER=${1:?usage: bench_action_space.sh ADAPTER [OUT] [CONFIG]}
+OUT=${2:-runs/action-space-$(date +%Y%m%d-%H%M%S)}
+CONFIG=${3:-configs/learning.yaml}
+SPLITS=${SPLITS:-valid_seen valid_unseen}
+AGENTRL=${AGENTRL:-agentrl}
+for space in free admissible; do
+  for split in $SPLITS; do
+    echo "== $space $split"
+    $AGENTRL eval --config "$CONFIG" --adapter "$ADAPTER" --split "$split" --action-space "$space" \
+      --out "$OUT/$space/$split" 2>&1 | grep -v "━"
+  done
+done
+$AGENTRL compare "$OUT/free" "$OUT/admissible" --out "$OUT/compare"
