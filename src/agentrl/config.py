@@ -54,7 +54,7 @@ class EnvConfig:
     workers: int | str = "auto"  # env worker processes: auto (one per available core; 0 for synthetic) | N | 0 (in-process)
     # with workers: generate for one wave of groups while the workers step the other. auto: on for
     # vLLM only; off for the hf sampler, whose two half-batch decode loops cost more than the env
-    # work they hide, on a CPU and on a GPU (docs/measurements.md)
+    # work they hide, on a CPU and on a GPU (docs/measurements/)
     overlap: bool | str = "auto"
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
