@@ -29,6 +29,7 @@ TASK_TYPES = (
 )
 SPLITS = ("train", "valid_seen", "valid_unseen")
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
+KL_UNITS = ("trained-mean", "per-token")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 
 
@@ -165,6 +166,16 @@ class LearnerConfig:
     minibatches: int = 1
     clip: float = 0.2  # eps of the clipped ratio (PPO, verl's clip_ratio)
     kl_coef: float = 0.0  # beta of a KL(policy || warm start) penalty per action token (needs train.init_adapter)
+    # what beta multiplies (docs/training.md#the-kl-coefficient-in-the-fields-unit): trained-mean
+    # (the k3 KL summed over the trained action tokens / their number, added to the policy loss
+    # whatever its aggregation) | per-token (the KL aggregated as learner.loss_agg aggregates A logp,
+    # so beta weighs each action token's KL against its policy term: verl's and GiGPO's kl_coef)
+    kl_unit: str = "trained-mean"
+    # success replay: won trajectories of earlier iterations, kept in a buffer of `replay_buffer`
+    # (the newest), trained by a behaviour-cloning term replay_coef x (their action tokens' mean
+    # NLL) beside the policy loss, outside the clipped ratio (0: off)
+    replay_coef: float = 0.0
+    replay_buffer: int = 64
     loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
     gradient_checkpointing: bool = False
     device: str | None = None  # None: the sampler's (model.device); e.g. cuda:1 for the two-device layout
@@ -458,6 +469,9 @@ def _check_updates(c: Config) -> Checks:
         (lc.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {lc.kl_coef}"),
         (lc.kl_coef == 0 or bool(c.train.init_adapter),
          "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
+        (lc.kl_unit in KL_UNITS, f"learner.kl_unit must be one of {', '.join(KL_UNITS)}, got {lc.kl_unit!r}"),
+        (lc.replay_coef >= 0, f"learner.replay_coef must be >= 0 (0: no success replay), got {lc.replay_coef}"),
+        (lc.replay_buffer >= 1, f"learner.replay_buffer must be >= 1, got {lc.replay_buffer}"),
     ]
 
 

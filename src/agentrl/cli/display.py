@@ -217,7 +217,17 @@ def metrics_line(row: dict, iterations: int) -> str:
             f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
             + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}"
-            + stage_notes(row))
+            + stage_notes(row) + learner_notes(row))
+
+
+def learner_notes(row: dict) -> str:
+    """The KL penalty (and its coefficient in the field's unit: per action token) and the success replay."""
+    out = ""
+    if row.get("kl_coef_field") is not None:
+        out += f"  KL {num(row.get('kl_to_warm_start'), '.4f')} (beta {row['kl_coef_field']:.3g} per token)"
+    if row.get("replay_buffer") is not None:
+        out += f"  replay nll {num(row.get('replay_nll'), '.3f')} buffer {row['replay_buffer']}"
+    return out
 
 
 def stage_notes(row: dict) -> str:

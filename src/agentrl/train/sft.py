@@ -43,8 +43,8 @@ from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
 from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.train.bc import masked_nll_sum  # noqa: F401 (sft's loss; tests import it from here)
 from agentrl.train.learner import LocalLearner, build_learner
-from agentrl.train.packing import Packed, final_hidden, target_mask
 
 log = logging.getLogger(__name__)
 DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
@@ -205,18 +205,6 @@ def micro_batches(examples: list[Example], token_budget: int) -> list[list[Examp
     return out
 
 
-def masked_nll_sum(model, batch: Packed, masks: list[list[int]]) -> tuple[torch.Tensor, int]:
-    """(sum of -log p over the reply tokens, their number) of one micro-batch, teacher-forced;
-    `masks`: the action masks of its sequences, in `batch.spans` order. The vocabulary
-    projection runs on the reply positions only (about a tenth of the tokens)."""
-    chosen = target_mask(batch, masks)  # hidden state at p predicts token p + 1 of its sequence
-    hidden = final_hidden(model, batch)[chosen]
-    logits = model.get_output_embeddings()(hidden).float()
-    targets = torch.roll(batch.input_ids, -1, dims=1)[chosen]
-    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    return nll, int(chosen.sum())
-
-
 def example_micro_batches(learner: LocalLearner, examples: list[Example]) -> list[list[list[int]]]:
     """`examples` as the learner runs them: micro-batches of rows of indices (its token budget, packed)."""
     return learner.micro_batches([len(e.token_ids) for e in examples])
@@ -364,7 +352,7 @@ def sft_learner(cfg: Config, model) -> LocalLearner:
     decay), freshly initialised from cfg.seed (GRPO then continues it), AdamW at sft.lr, clipped
     at sft.grad_clip. No KL reference and no activation checkpointing: sft never used them."""
     settings = dataclasses.replace(cfg.learner, lr=cfg.sft.lr, grad_clip=cfg.sft.grad_clip, kl_coef=0.0,
-                                   gradient_checkpointing=False)
+                                   replay_coef=0.0, gradient_checkpointing=False)
     return build_learner(cfg, model, settings=settings, warm_start=False)
 
 
