@@ -171,3 +171,48 @@ def test_the_buffer_keeps_the_newest_wins_and_survives_the_learner_state(tiny_mo
     a, b = learner.update(batch), resumed.update(batch)
     assert (a.loss, a.grad_l2_norm, a.replay_nll) == (b.loss, b.grad_l2_norm, b.replay_nll)
     assert all(torch.equal(x, y) for x, y in zip(learner.params, resumed.params))
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Every sampler the loop builds is tests/scripted.py's: each group has a scripted win and loss."""
+    import agentrl.sampling as sampling
+    from scripted import ScriptedSampler
+
+    real = sampling.make_sampler
+    monkeypatch.setattr(sampling, "make_sampler", lambda cfg, *a, **k: ScriptedSampler(real(cfg, *a, **k), ("split",)))
+
+
+def test_a_resumed_run_replays_the_same_buffer_as_an_uninterrupted_one(tmp_path, tiny_actor_dir, scripted):
+    """`agentrl train` with the success replay: 3 iterations straight == 2, stop, resume to 3
+    (losses, replay NLL and buffer, weights): the buffer came back from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from agentrl.config import load_config
+    from agentrl.train.loop import prepare_run, start_run, train
+
+    def run_train(run, iterations, resume=False):
+        cfg = load_config(None, {
+            "model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 2, "env.fuzzy_threshold": 0.0,
+            "rollout.gate": "off", "rollout.tasks": 3, "rollout.group_size": 4, "sampling.temperature": 1.0,
+            "sampling.max_new_tokens": 16, "learner.lora_r": 4, "learner.lora_alpha": 8,
+            "learner.target_modules": ["q_proj", "v_proj"], "learner.lr": 1e-2, "learner.replay_coef": 0.5,
+            "learner.replay_buffer": 4, "train.iterations": iterations, "train.eval_tasks": 0, "seed": 3})
+        if resume:
+            cfg = prepare_run(run, None, resume=True, force=False, overrides={"train.iterations": iterations})
+        else:
+            start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
+        train(cfg, run, resume=resume)
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run_train(tmp_path / "straight", 3)
+    run_train(tmp_path / "resumed", 2)
+    resumed = run_train(tmp_path / "resumed", 3, resume=True)
+    keys = ("loss", "grad_l2_norm", "train_reward", "replay_nll", "replay_buffer")
+    a = [{k: r[k] for k in keys} for r in straight if r["kind"] == "iteration"]
+    assert a == [{k: r[k] for k in keys} for r in resumed if r["kind"] == "iteration"]
+    assert a[0]["replay_nll"] is None and a[0]["replay_buffer"] == 3  # one scripted win per group joins after update 1
+    assert a[1]["replay_nll"] is not None and a[2]["replay_nll"] is not None and a[2]["replay_buffer"] == 4
+    wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "it00003" / "adapter" / "adapter_model.safetensors"))
+              for r in ("straight", "resumed"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
