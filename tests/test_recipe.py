@@ -216,3 +216,25 @@ def test_a_resumed_run_replays_the_same_buffer_as_an_uninterrupted_one(tmp_path,
     wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "it00003" / "adapter" / "adapter_model.safetensors"))
               for r in ("straight", "resumed"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("name", ["gigpo.yaml", "gigpo-cpu.yaml"])
+def test_the_shipped_gigpo_configs_hold_gigpos_recipe(name):
+    """Step-level credit, a win : invalid-action ratio of 10 : -0.1, KL 0.01 per action token on a
+    token-mean loss; the GPU one at GiGPO's 16 x 8 for 150 iterations. The warm start (the KL's
+    reference) is asked for when a run starts, not by the file."""
+    from pathlib import Path
+
+    from agentrl.config import load_config
+    from agentrl.errors import UserError
+    from agentrl.train.prerun import check_kl_reference
+
+    c = load_config(Path(__file__).resolve().parents[1] / "configs" / name)
+    assert (c.train.advantage, c.advantage.gamma, c.advantage.omega, c.advantage.std_norm) == ("gigpo", 0.95, 1.0, True)
+    assert c.reward.invalid_action / 1.0 == pytest.approx(-0.1 / 10) and c.reward.invalid_action_in == "return"
+    assert (c.learner.loss_agg, c.learner.kl_coef, c.learner.kl_unit) == ("token-mean", 0.01, "per-token")
+    assert c.rollout.gate == "off"
+    if name == "gigpo.yaml":
+        assert (c.rollout.tasks, c.rollout.group_size, c.train.iterations) == (16, 8, 150)
+    with pytest.raises(UserError, match=r"needs a reference: the warm start \(--init-adapter DIR\)"):
+        check_kl_reference(c)

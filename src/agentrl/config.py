@@ -467,8 +467,8 @@ def _check_updates(c: Config) -> Checks:
         (lc.minibatches >= 1, f"learner.minibatches must be >= 1, got {lc.minibatches}"),
         (0 < lc.clip < 1, f"learner.clip must be in (0, 1), got {lc.clip}"),
         (lc.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {lc.kl_coef}"),
-        (lc.kl_coef == 0 or bool(c.train.init_adapter),
-         "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
+        # (a reference to hold it to, the warm start, is asked for when a run starts: prerun.check_kl_reference;
+        # a config file may carry the recipe's beta and leave the warm start to --init-adapter)
         (lc.kl_unit in KL_UNITS, f"learner.kl_unit must be one of {', '.join(KL_UNITS)}, got {lc.kl_unit!r}"),
         (lc.replay_coef >= 0, f"learner.replay_coef must be >= 0 (0: no success replay), got {lc.replay_coef}"),
         (lc.replay_buffer >= 1, f"learner.replay_buffer must be >= 1, got {lc.replay_buffer}"),
