@@ -238,3 +238,98 @@ def test_the_shipped_gigpo_configs_hold_gigpos_recipe(name):
         assert (c.rollout.tasks, c.rollout.group_size, c.train.iterations) == (16, 8, 150)
     with pytest.raises(UserError, match=r"needs a reference: the warm start \(--init-adapter DIR\)"):
         check_kl_reference(c)
+
+
+# ---------------------------------------------------------------- agentrl sft --from (rejection-sampling fine-tuning)
+def rollout_record(tokenizer, task: str, index: int, replies: list[str], won: bool, response=None) -> dict:
+    """A trajectories.jsonl record as `agentrl rollout` writes it: prompt, then per step a reply
+    (its ids and recorded text) and an observation."""
+    from agentrl.env.data import Game
+    from agentrl.rollout.trajectory import Step, Trajectory
+
+    t = Trajectory(game=Game(task, "train", "pick_and_place_simple", None), index=index)
+    t.append(tokenizer(f"Your task is to: {task}.", add_special_tokens=False).input_ids, generated=False)
+    for i, reply in enumerate(replies):
+        ids = tokenizer(reply, add_special_tokens=False).input_ids
+        t.append(ids, generated=True, logprobs=[-0.5] * len(ids))
+        t.step_tokens.append(len(ids))
+        t.steps.append(Step(response if response is not None else tokenizer.decode(ids), "x", "x", "ok", won, won))
+        t.append(tokenizer("\nObservation: ok\n", add_special_tokens=False).input_ids, generated=False)
+    t.stop_reason = "won" if won else "lost"
+    return t.record()
+
+
+def write_rollout(path, records) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_sft_from_trains_on_exactly_the_won_trajectories_action_tokens(tmp_path, tiny_actor_dir, tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.config import load_config
+    from agentrl.train import sft
+
+    records = [rollout_record(tokenizer, "put a mug", 0, ["Action: go to desk 1", "Action: take mug 1"], True),
+               rollout_record(tokenizer, "put a mug", 1, ["Action: look", "Action: inventory"], False),
+               rollout_record(tokenizer, "heat an egg", 0, ["Action: open fridge 1"], True)]
+    write_rollout(tmp_path / "r1", records[:2])
+    write_rollout(tmp_path / "r2", records[2:])
+    trained, real = [], sft.masked_nll_sum
+
+    def spy(model, batch, masks):  # what each micro-batch teaches: its sequences' ids and masks
+        for (r, s, n), m in zip(batch.spans, masks):
+            trained.append((batch.input_ids[r, s : s + n].tolist(), list(m)))
+        return real(model, batch, masks)
+
+    monkeypatch.setattr(sft, "masked_nll_sum", spy)
+    cfg = sft.sft_prompt(load_config(None, {
+        "model.name": str(tiny_actor_dir), "learner.lora_r": 4, "learner.lora_alpha": 8,
+        "learner.target_modules": ["q_proj", "v_proj"], "sft.heldout_games": 0, "sft.epochs": 2, "sft.lr": 1e-2}))
+    out = tmp_path / "rft"
+    summary = sft.run_sft(cfg, out, model=AutoModelForCausalLM.from_pretrained(tiny_actor_dir), tokenizer=tokenizer,
+                          sources=[tmp_path / "r1", tmp_path / "r2" / "trajectories.jsonl"])
+    won = sorted((r["token_ids"], r["action_mask"]) for r in records if r["won"])
+    assert sorted(trained) == sorted(won * 2)  # two epochs over the two wins, and nothing else
+    assert summary["sft"]["won"] == 2 and summary["sft"]["trajectories"] == 3 and summary["sft"]["examples"] == 2
+    assert summary["sft"]["reply_tokens"] == sum(sum(m) for _, m in won)
+    assert [d["path"] for d in summary["sft"]["from"]] == [str(tmp_path / "r1" / "trajectories.jsonl"),
+                                                          str(tmp_path / "r2" / "trajectories.jsonl")]
+    assert (out / "adapter_model.safetensors").is_file()
+    assert sft.reusable(cfg, out, [tmp_path / "r1", tmp_path / "r2"]) is not None  # the same files: reusable
+    write_rollout(tmp_path / "r2", records[2:] + records[:1])
+    assert sft.reusable(cfg, out, [tmp_path / "r1", tmp_path / "r2"]) is None  # other contents: built again
+
+
+def test_sft_from_refuses_no_wins_and_another_tokenizer_in_one_line(tmp_path, tokenizer):
+    from agentrl.errors import UserError
+    from agentrl.train.rft import won_rollouts
+
+    write_rollout(tmp_path / "lost", [rollout_record(tokenizer, "t", i, ["Action: look"], False) for i in range(2)])
+    with pytest.raises(UserError, match=r"no won trajectory in .*lost/trajectories.jsonl \(2 trajectories\): nothing to clone"):
+        won_rollouts([tmp_path / "lost"], tokenizer)
+    with pytest.raises(UserError, match=r"--from .*nowhere: no such file \(expected trajectories.jsonl"):
+        won_rollouts([tmp_path / "nowhere"], tokenizer)
+    big = rollout_record(tokenizer, "t", 0, ["Action: look"], True)
+    big["token_ids"][-1] = len(tokenizer) + 5
+    write_rollout(tmp_path / "big", [big])
+    with pytest.raises(UserError, match=r"big/trajectories.jsonl:1: token id \d+ is outside this model's tokenizer"):
+        won_rollouts([tmp_path / "big"], tokenizer)
+    other = rollout_record(tokenizer, "t", 0, ["Action: look"], True, response="Action: go to sofa 1")
+    write_rollout(tmp_path / "other", [other])
+    with pytest.raises(UserError, match=r"decode to 'Action: look', not its recorded 'Action: go to sofa 1'"):
+        won_rollouts([tmp_path / "other"], tokenizer)
+    (tmp_path / "junk.jsonl").write_text('{"task_id": "t"}\n')
+    with pytest.raises(UserError, match=r"junk.jsonl:1: not a trajectory record"):
+        won_rollouts([tmp_path / "junk.jsonl"], tokenizer)
+
+
+def test_sft_from_a_missing_file_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "agentrl.cli", "sft", "--out", str(out), "--from", str(tmp_path / "nope")],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "no such file" in p.stderr, p.stderr
+    assert not out.exists()

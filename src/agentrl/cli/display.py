@@ -266,7 +266,8 @@ def sft_epoch_line(row: dict) -> str:
 
 def sft_summary_lines(summary: dict, out) -> list[str]:
     s = summary["sft"]
-    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {s['examples']} walkthroughs ({s['reply_tokens']} reply tokens), "
+    what = f"{s['examples']} walkthroughs" if "from" not in s else f"the {s['won']} won of {s['trajectories']} rollouts"
+    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
             f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}",
             f"next: agentrl eval --adapter {out}   or   agentrl train --init-adapter {out}"]

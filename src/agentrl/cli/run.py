@@ -231,6 +231,7 @@ def sft_cmd(
     epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
+    from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
     reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,
     model: ModelOpt = None,
@@ -244,13 +245,15 @@ def sft_cmd(
     from agentrl.train import sft  # torch: not for --help or the light commands
 
     cfg = load_config(config, overrides(sft_cmd, locals()))
-    if reuse and (record := sft.reusable(cfg, out)):
-        console.print(f"{out} already holds this warm start ({record['sft']['examples']} walkthroughs, "
+    sources = [sft.rollout_file(p) for p in from_ or []]  # a missing file: one line, before anything loads
+    if reuse and (record := sft.reusable(cfg, out, sources)):
+        console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "
                       f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
         return
     sft.check_out_dir(out, force)  # before anything is loaded
     resolve_model(cfg.model.name)
-    sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
+    if not sources:
+        sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
     labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training"}
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")
@@ -260,6 +263,6 @@ def sft_cmd(
 
         hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name), total),
                              advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)))
-        summary = sft.run_sft(cfg, out, force, hooks)
+        summary = sft.run_sft(cfg, out, force, hooks, sources=sources)
     for line in sft_summary_lines(summary, out):
         console.print(line)
