@@ -333,3 +333,22 @@ def test_sft_from_a_missing_file_is_one_line_and_exit_2(tmp_path):
                        capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "no such file" in p.stderr, p.stderr
     assert not out.exists()
+
+
+def test_gigpos_recipe_in_the_learner_per_step_advantages_per_token_kl_and_replay(tiny_model):
+    """configs/gigpo.yaml's learner: per-reply advantages (GiGPO), token-mean, KL 0.01 per action
+    token, with the success replay on: the update steps, reports beta as given, and the KL term
+    is exactly kl_penalty's token-mean (the loss moves by 0.01 x the KL per token when it is on)."""
+    batch = [(item(4, 3, 1, won=True), [1.0]), (item(4, 5, 2), [-1.0])]
+    losses = {}
+    for beta in (0.0, 0.01):
+        learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, loss_agg="token-mean", kl_coef=beta, kl_unit="per-token",
+                                                              replay_coef=0.1))
+        if beta:
+            perturb_reference(learner)
+        stats = learner.update(batch)
+        assert stats.stepped and learner.replay.items and stats.replay_buffer == 1
+        losses[beta] = stats
+    on = losses[0.01]
+    assert on.kl_coef_field == 0.01 and on.kl > 0
+    assert on.loss == pytest.approx(losses[0.0].loss + 0.01 * on.kl, rel=1e-5)  # token-mean over all 8 action tokens
