@@ -109,7 +109,7 @@ def main() -> None:
                                                           "std-normalised advantage (a winner's is about +1 to +2.6 at G 8)")
     ap.add_argument("--kl-coef", default="50", help="the kl arm's beta: a mean over action tokens against seq-sum's per-trajectory "
                                                     "sum of about 250 action tokens (5, about the field's 0.02 token-mean, did not "
-                                                    "hold the policy; 50 did: docs/measurements.md)")
+                                                    "hold the policy; 50 did: docs/measurements/kl-to-the-warm-start.md)")
     ap.add_argument("--gate-audit", default="0.25")
     ap.add_argument("--env-workers", default="auto")
     ap.add_argument("--midpoint-splits", default=",".join(SPLITS),

@@ -1,7 +1,7 @@
 """The log-prob gap between the learner (PEFT's unmerged LoRA, teacher-forced) and the hf sampler
 serving the same adapter merged and unmerged: mean |sampler - learner| log-prob per sampled
 token, 24 sampled replies to six ALFWorld openings (a script, not a test; results in
-docs/measurements.md).
+docs/measurements/sampler.md).
 
 Usage: python benchmarks/bench_merge_gap.py ADAPTER_DIR [bfloat16|float32]
 """

@@ -1,6 +1,6 @@
 """The documentation holds together: links resolve, anchors exist, the README stays a front door.
 
-Fast (no model, no network): reads README.md and docs/*.md only.
+Fast (no model, no network): reads README.md, docs/**/*.md, and the code's mentions of docs pages.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [README, *DOCS]
+# a folder under docs/ (docs/measurements/) is one entry of the README: its README.md indexes its pages
+SUBPAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.parent != ROOT / "docs")
+PAGES = [README, *DOCS, *SUBPAGES]
 
 FENCE = re.compile(r"^(```|~~~)")
 # [text](target) and ![alt](target); the target ends at whitespace or ')'
@@ -131,12 +133,48 @@ def test_the_readme_is_a_front_door_under_10_kb():
     assert size < 10240, f"README.md is {size} bytes; move detail into docs/"
 
 
+def linked_files(page: Path) -> set[Path]:
+    return {(page.parent / t.partition("#")[0]).resolve() for t in links(page)
+            if not is_external(t) and t.partition("#")[0]}
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     assert DOCS, "docs/ has no pages"
-    linked = {(README.parent / t.partition("#")[0]).resolve() for t in links(README)
-              if not is_external(t) and t.partition("#")[0]}
-    missing = [p.relative_to(ROOT).as_posix() for p in DOCS if p.resolve() not in linked]
+    folders = {p.parent / "README.md" for p in SUBPAGES}
+    linked = linked_files(README)
+    missing = [p.relative_to(ROOT).as_posix() for p in [*DOCS, *sorted(folders)] if p.resolve() not in linked]
     assert not missing, f"docs pages not linked from README.md: {missing}"
+
+
+def test_every_page_of_a_docs_folder_is_linked_from_its_index():
+    for index in {p.parent / "README.md" for p in SUBPAGES}:
+        assert index.is_file(), f"{index.parent.relative_to(ROOT)} has no README.md (its index)"
+        linked = linked_files(index)
+        missing = [p.relative_to(ROOT).as_posix() for p in SUBPAGES
+                   if p.parent == index.parent and p != index and p.resolve() not in linked]
+        assert not missing, f"pages not linked from {index.relative_to(ROOT)}: {missing}"
+
+
+@pytest.mark.parametrize("page", SUBPAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_page_of_a_docs_folder_opens_with_a_title_and_a_line_of_scope(page: Path):
+    lines = page.read_text(encoding="utf-8").splitlines()
+    assert lines and lines[0].startswith("# "), f"{page.relative_to(ROOT)} does not start with a '# ' title"
+    scope = next((line for line in lines[1:] if line.strip()), "")
+    assert scope and not scope.startswith("#"), f"{page.relative_to(ROOT)}: no line of scope under the title"
+
+
+DOC_MENTION = re.compile(r"\bdocs/[\w./-]*\.md\b")
+
+
+def test_the_docs_pages_the_code_names_exist():
+    """Comments, help strings and configs point users at docs pages: a moved page must not
+    leave them pointing at nothing."""
+    named = [p for d in ("src", "benchmarks", "configs") for p in (ROOT / d).rglob("*")
+             if p.suffix in {".py", ".yaml", ".yml", ".sh", ".toml"}] + [ROOT / "Makefile"]
+    gone = [f"{p.relative_to(ROOT)}: {m}" for p in named if p.is_file()
+            for m in DOC_MENTION.findall(p.read_text(encoding="utf-8", errors="replace"))
+            if not (ROOT / m).is_file()]
+    assert not gone, "docs pages named in the code that do not exist:\n" + "\n".join(gone)
 
 
 def test_the_readme_gives_the_test_command_ci_calls():

@@ -29,6 +29,7 @@ TASK_TYPES = (
 )
 SPLITS = ("train", "valid_seen", "valid_unseen")
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
+KL_UNITS = ("trained-mean", "per-token")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 
 
@@ -54,7 +55,7 @@ class EnvConfig:
     workers: int | str = "auto"  # env worker processes: auto (one per available core; 0 for synthetic) | N | 0 (in-process)
     # with workers: generate for one wave of groups while the workers step the other. auto: on for
     # vLLM only; off for the hf sampler, whose two half-batch decode loops cost more than the env
-    # work they hide, on a CPU and on a GPU (docs/measurements.md)
+    # work they hide, on a CPU and on a GPU (docs/measurements/)
     overlap: bool | str = "auto"
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
@@ -171,6 +172,16 @@ class LearnerConfig:
     minibatches: int = 1
     clip: float = 0.2  # eps of the clipped ratio (PPO, verl's clip_ratio)
     kl_coef: float = 0.0  # beta of a KL(policy || warm start) penalty per action token (needs train.init_adapter)
+    # what beta multiplies (docs/training.md#the-kl-coefficient-in-the-fields-unit): trained-mean
+    # (the k3 KL summed over the trained action tokens / their number, added to the policy loss
+    # whatever its aggregation) | per-token (the KL aggregated as learner.loss_agg aggregates A logp,
+    # so beta weighs each action token's KL against its policy term: verl's and GiGPO's kl_coef)
+    kl_unit: str = "trained-mean"
+    # success replay: won trajectories of earlier iterations, kept in a buffer of `replay_buffer`
+    # (the newest), trained by a behaviour-cloning term replay_coef x (their action tokens' mean
+    # NLL) beside the policy loss, outside the clipped ratio (0: off)
+    replay_coef: float = 0.0
+    replay_buffer: int = 64
     loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
     gradient_checkpointing: bool = False
     device: str | None = None  # None: the sampler's (model.device); e.g. cuda:1 for the two-device layout
@@ -469,8 +480,11 @@ def _check_updates(c: Config) -> Checks:
         (lc.minibatches >= 1, f"learner.minibatches must be >= 1, got {lc.minibatches}"),
         (0 < lc.clip < 1, f"learner.clip must be in (0, 1), got {lc.clip}"),
         (lc.kl_coef >= 0, f"learner.kl_coef must be >= 0, got {lc.kl_coef}"),
-        (lc.kl_coef == 0 or bool(c.train.init_adapter),
-         "learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)"),
+        # (a reference to hold it to, the warm start, is asked for when a run starts: prerun.check_kl_reference;
+        # a config file may carry the recipe's beta and leave the warm start to --init-adapter)
+        (lc.kl_unit in KL_UNITS, f"learner.kl_unit must be one of {', '.join(KL_UNITS)}, got {lc.kl_unit!r}"),
+        (lc.replay_coef >= 0, f"learner.replay_coef must be >= 0 (0: no success replay), got {lc.replay_coef}"),
+        (lc.replay_buffer >= 1, f"learner.replay_buffer must be >= 1, got {lc.replay_buffer}"),
     ]
 
 

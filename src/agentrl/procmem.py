@@ -4,7 +4,7 @@ glibc serves an allocation above its mmap threshold with a private mmap, returne
 at free, and smaller ones from the heap, which it keeps. The threshold is dynamic: each time a
 mmapped block is freed it rises to that block's size (up to 32 MiB), after which torch's
 activations, a few MiB each, come from the heap and stay there, fragmented. Measured on the
-2-core CPU (docs/measurements.md): one learner forward + backward of a 2,048-token episode
+2-core CPU (docs/measurements/learner-memory.md): one learner forward + backward of a 2,048-token episode
 peaked at 6.1 GB RSS with the dynamic threshold and 3.9 GB with a fixed one (2.5 GB and 1.0 GB
 with gradient checkpointing), and the RSS it left behind stayed with the process through the
 next rollout. A fixed threshold (glibc's `mallopt(M_MMAP_THRESHOLD)`, or the

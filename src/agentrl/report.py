@@ -173,6 +173,12 @@ def run_summary(run: Run) -> dict:
         "step_tokens_generated": total(run, "step_tokens_generated"),
         "step_tokens_trained": total(run, "step_tokens_trained"),
         "skipped_updates": sum(bool(r.get("skipped_update")) for r in run.iterations),
+        # the KL penalty as configured and in the field's unit (per action token), and the success replay
+        "kl_coef": config_value(run.config, "learner.kl_coef"), "kl_unit": config_value(run.config, "learner.kl_unit", "trained-mean"),
+        "kl_coef_field_mean": mean(r.get("kl_coef_field") for r in run.iterations),
+        "kl_mean": mean(r.get("kl_to_warm_start") for r in run.iterations),
+        "replay_nll_mean": mean(r.get("replay_nll") for r in run.iterations),
+        "replay_buffer": run.iterations[-1].get("replay_buffer"),
         "warnings": run.warnings,
     }
 
@@ -374,6 +380,12 @@ def tables(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out = [("runs", RUN_HEADER, [run_row(r) for r in rep["runs"]]),
            ("mean seconds per iteration", ["run", *PHASES],
             [[r["name"], *(fmt(r["mean_s_per_iteration"][p], ".1f") for p in PHASES)] for r in rep["runs"]])]
+    regular = [r for r in rep["runs"] if r.get("kl_coef_field_mean") is not None or r.get("replay_buffer") is not None]
+    if regular:
+        out.append(("KL to the warm start and success replay (means over iterations)",
+                    ["run", "kl_coef", "kl_unit", "per action token (field's unit)", "KL per token", "replay NLL", "replay buffer"],
+                    [[r["name"], fmt(r["kl_coef"], ".3g"), str(r["kl_unit"]), fmt(r["kl_coef_field_mean"], ".3g"),
+                      fmt(r["kl_mean"], ".3g"), fmt(r["replay_nll_mean"], ".3f"), fmt(r["replay_buffer"], "")] for r in regular]))
     if rep["pairs"]:
         out.append(("gated vs baseline, same seed (paper Table 5)", PAIR_HEADER, [pair_row(p) for p in rep["pairs"]]))
     return out

@@ -217,7 +217,17 @@ def metrics_line(row: dict, iterations: int) -> str:
             f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"
             + (f" eval {row['eval_s']:.1f}s" if row["eval_s"] > 0.01 else "") + f"  v{row['adapter_version']}  {behaviour(row)}"
-            + stage_notes(row))
+            + stage_notes(row) + learner_notes(row))
+
+
+def learner_notes(row: dict) -> str:
+    """The KL penalty (and its coefficient in the field's unit: per action token) and the success replay."""
+    out = ""
+    if row.get("kl_coef_field") is not None:
+        out += f"  KL {num(row.get('kl_to_warm_start'), '.4f')} (beta {row['kl_coef_field']:.3g} per token)"
+    if row.get("replay_buffer") is not None:
+        out += f"  replay nll {num(row.get('replay_nll'), '.3f')} buffer {row['replay_buffer']}"
+    return out
 
 
 def stage_notes(row: dict) -> str:
@@ -256,7 +266,8 @@ def sft_epoch_line(row: dict) -> str:
 
 def sft_summary_lines(summary: dict, out) -> list[str]:
     s = summary["sft"]
-    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {s['examples']} walkthroughs ({s['reply_tokens']} reply tokens), "
+    what = f"{s['examples']} walkthroughs" if "from" not in s else f"the {s['won']} won of {s['trajectories']} rollouts"
+    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
             f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}",
             f"next: agentrl eval --adapter {out}   or   agentrl train --init-adapter {out}"]

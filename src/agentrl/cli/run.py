@@ -151,6 +151,9 @@ def train_cmd(
     lr: opt(OptFloat, "learner.lr", "AdamW learning rate (paper: 5e-5).") = None,
     loss_agg: opt(OptStr, "learner.loss_agg", "seq-sum | token-mean | seq-mean-token-mean.") = None,
     kl_coef: opt(OptFloat, "learner.kl_coef", "beta of a KL(policy || warm start) penalty, a mean over action tokens (needs --init-adapter; default 0: off). Under seq-sum, the field's 0.01-0.04 is about that x the action tokens of a trajectory.") = None,
+    kl_unit: opt(OptStr, "learner.kl_unit", "What --kl-coef multiplies: trained-mean (default) | per-token (the KL aggregated as the loss: beta per action token, the field's unit, as GiGPO's 0.01).") = None,
+    replay_coef: opt(OptFloat, "learner.replay_coef", "Success replay: weight of a behaviour-cloning term on earlier iterations' won trajectories (default 0: off).") = None,
+    replay_buffer: opt(OptInt, "learner.replay_buffer", "Success replay: won sequences kept, the newest (default 64).") = None,
     eval_every: opt(OptInt, "train.eval_every", "E: greedy held-out eval every E iterations.") = None,
     log_to: opt(OptStr, "train.log_to", "Also log to tensorboard and/or wandb (comma-separated); metrics.jsonl is always written.") = None,
     eval_tasks: opt(OptInt, "train.eval_tasks", "H: held-out tasks per eval.") = None,
@@ -234,6 +237,7 @@ def sft_cmd(
     epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
+    from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
     reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,
     model: ModelOpt = None,
@@ -247,13 +251,15 @@ def sft_cmd(
     from agentrl.train import sft  # torch: not for --help or the light commands
 
     cfg = load_config(config, overrides(sft_cmd, locals()))
-    if reuse and (record := sft.reusable(cfg, out)):
-        console.print(f"{out} already holds this warm start ({record['sft']['examples']} walkthroughs, "
+    sources = [sft.rollout_file(p) for p in from_ or []]  # a missing file: one line, before anything loads
+    if reuse and (record := sft.reusable(cfg, out, sources)):
+        console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "
                       f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
         return
     sft.check_out_dir(out, force)  # before anything is loaded
     resolve_model(cfg.model.name)
-    sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
+    if not sources:
+        sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
     labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training"}
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")
@@ -263,6 +269,6 @@ def sft_cmd(
 
         hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name), total),
                              advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)))
-        summary = sft.run_sft(cfg, out, force, hooks)
+        summary = sft.run_sft(cfg, out, force, hooks, sources=sources)
     for line in sft_summary_lines(summary, out):
         console.print(line)

@@ -29,6 +29,7 @@ class TrainItem:
     logprobs: list[float]
     step_tokens: list[int] = field(default_factory=list)  # generated tokens per reply (where a per-step advantage lands)
     reply_starts: list[int] = field(default_factory=list)  # where each reply begins (prompt.history's windows)
+    won: bool = False  # the episode was won (the success replay keeps it)
     allowed: list[list[int]] = field(default_factory=list)  # admissible actions: per action token, the ids it was drawn among ([]: free text)
 
 
@@ -44,6 +45,9 @@ class UpdateStats:
     optimizer_steps: int = 1  # learner.epochs x learner.minibatches, less skipped ones
     clip_fraction: float = 0.0  # share of action tokens whose ratio was clipped (0 on the first minibatch)
     kl: float | None = None  # mean KL(policy || warm start) per action token (with learner.kl_coef > 0)
+    kl_coef_field: float | None = None  # learner.kl_coef in the field's unit (per action token, as the policy term weighs it)
+    replay_nll: float | None = None  # success replay: mean NLL per replayed action token (learner.replay_coef > 0)
+    replay_buffer: int | None = None  # success replay: sequences in the buffer after this update's wins joined it
 
 
 @runtime_checkable
@@ -83,9 +87,9 @@ class Learner(Protocol):
 
 def train_items(batch) -> list:
     """A batch as plain data for a learner elsewhere: ((token ids, action mask, sampler log-probs,
-    step tokens, reply starts, allowed ids), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
+    step tokens, reply starts, won, allowed ids), advantage: a number or one per step); the learner rebuilds `TrainItem`s."""
     return [((list(t.token_ids), list(t.action_mask), list(t.logprobs), list(t.step_tokens), list(t.reply_starts),
-              [list(a) for a in getattr(t, "allowed", ())]),
+              bool(getattr(t, "won", False)), [list(a) for a in getattr(t, "allowed", ())]),
              [float(x) for x in a] if isinstance(a, (list, tuple)) else float(a)) for t, a in batch]
 
 

@@ -25,8 +25,9 @@ from agentrl.errors import UserError
 from agentrl.io import atomic_path
 from agentrl.models import load_model, quiet_peft
 from agentrl.rollout.trajectory import is_zero, step_allowed, step_sequences, token_advantages, trained_tokens
+from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
-from agentrl.train.loss import clipped_loss, grpo_loss, kl_to_reference
+from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
 from agentrl.train.packing import Packed, autocast, pack, sequence_logprobs, supports_packing, token_micro_batches
 from agentrl.weights import WeightsRef
@@ -106,6 +107,9 @@ class _MinibatchRecord:
     clipped: float  # share of the minibatch's action tokens whose ratio was clipped
     kl: float  # KL to the reference per action token
     gap_sum: float  # sum of |sampler logp - learner logp| (measured on a single step's forward only)
+    kl_field: float | None = None  # the step's KL coefficient in the field's unit (field_kl_coef)
+    replay_nll: float = 0.0  # success replay: NLL summed over the step's replayed action tokens
+    replay_tokens: int = 0
 
 
 class LocalLearner:
@@ -140,6 +144,8 @@ class LocalLearner:
         self.prompt = prompt
         # KL's reference: the warm start's LoRA weights, frozen (swapped in for a no-grad pass)
         self.reference = [p.detach().clone() for p in self.params] if cfg.kl_coef > 0 else None
+        history = int((prompt or {}).get("history") or 0)
+        self.replay = SuccessReplay(cfg.replay_coef, cfg.replay_buffer, history) if cfg.replay_coef > 0 else None
 
     def _write_adapter(self, path: Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)
@@ -197,7 +203,11 @@ class LocalLearner:
         """One update on [(trajectory, advantage), ...] (cut groups never get here); an
         advantage is a number (GRPO) or a list with one per reply (GiGPO)."""
         try:
-            return self._update(batch)
+            stats = self._update(batch)
+            if self.replay is not None:  # after the update: the buffer holds earlier iterations' wins
+                self.replay.add(batch)
+                stats.replay_buffer = len(self.replay.items)
+            return stats
         finally:
             if self.device.type == "cuda":  # hand the activations' memory back: a colocated vLLM re-allocates its KV cache next
                 torch.cuda.empty_cache()
@@ -236,10 +246,11 @@ class LocalLearner:
             return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
         old = self._logprobs(plan.work) if plan.multi else None  # the pre-pass: the policy before the update,
         ref = self._logprobs(plan.work, reference=True) if self.cfg.kl_coef > 0 else None  # and the reference
-        records = []
+        records, per_epoch = [], len(plan.steps) // self.cfg.epochs
         for k, idx in enumerate(plan.steps):
             # the first step's policy has not moved: r = 1 (GRPO's loss); a single step measures the gap on its forward
-            records.append(self._minibatch(plan, idx, old if k else None, ref, measure_gap=not plan.multi))
+            replayed = self.replay.share(k, per_epoch) if self.replay is not None else []
+            records.append(self._minibatch(plan, idx, old if k else None, ref, measure_gap=not plan.multi, replayed=replayed))
             if not records[0].step.stepped:  # the batch itself is bad: stop here, as a single step would
                 break
         self.model.eval()
@@ -266,12 +277,17 @@ class LocalLearner:
         return sum(float(((o - torch.tensor(t.logprobs, device=o.device)).abs() * torch.tensor(t.action_mask, device=o.device)).sum())
                    for o, (t, _) in zip(old, plan.work)) / plan.tokens_trained
 
-    def _minibatch(self, plan: UpdatePlan, idx: list[int], old, ref, measure_gap: bool) -> _MinibatchRecord:
+    def _minibatch(self, plan: UpdatePlan, idx: list[int], old, ref, measure_gap: bool, replayed=()) -> _MinibatchRecord:
         """One optimizer step on the minibatch `idx`, in micro-batches; `old` None: GRPO's loss (r = 1),
-        else the clipped ratio against it; `ref`: the KL penalty's reference log-probs."""
+        else the clipped ratio against it; `ref`: the KL penalty's reference log-probs; `replayed`:
+        the success replay's sequences whose BC term joins this step."""
         cfg = self.cfg
         share = len(idx) / len(plan.work)  # a minibatch is normalised as its share of the batch
         kl_tokens = max(1, sum(trained_tokens(*plan.work[i]) for i in idx)) if ref is not None else 1
+        per_token = cfg.kl_unit == "per-token"
+        kl_field = (cfg.kl_coef if per_token else field_kl_coef(
+            cfg.kl_coef, cfg.loss_agg, plan.n_total * share, plan.tokens_total * share, kl_tokens,
+            [sum(plan.work[i][0].action_mask) for i in idx])) if ref is not None else None
 
         sequences = [t.token_ids for t, _ in plan.work]
         constraints = constraints_of([t for t, _ in plan.work])
@@ -292,20 +308,28 @@ class LocalLearner:
                                        n_total=plan.n_total * share, tokens_total=plan.tokens_total * share)
             kl = 0.0
             if ref is not None:
-                kl_part = kl_to_reference(logp, self._stack(ref, part_idx, width), mask)
-                loss = loss + cfg.kl_coef * kl_part / kl_tokens
+                ref_logp = self._stack(ref, part_idx, width)
+                kl_part = kl_to_reference(logp, ref_logp, mask)
+                if per_token:  # aggregated as the policy loss: beta per action token (the field's unit)
+                    loss = loss + cfg.kl_coef * kl_penalty(logp, ref_logp, mask, cfg.loss_agg, n_total=plan.n_total * share,
+                                                           tokens_total=plan.tokens_total * share)
+                else:
+                    loss = loss + cfg.kl_coef * kl_part / kl_tokens
                 kl = float(kl_part.detach())
             gap = float(((logp.detach() - sampler_logp).abs() * mask).sum()) if measure_gap else 0.0
             return loss, (float(c) * float(mask.sum()), kl, gap)
 
         parts = [[[idx[j] for j in row] for row in rows]
                  for rows in self.micro_batches([len(sequences[i]) for i in idx])]
-        result = self.step(parts, loss_fn, cfg.grad_clip)
+        replay_parts, replay_fn = self.replay.parts_and_loss(self, list(replayed)) if self.replay else ([], None)
+        result = self.step(parts + replay_parts, _with_replay(loss_fn, replay_fn), cfg.grad_clip)
         clip_n = kl_sum = gap_sum = 0.0
-        for c, kl, gap in result.values:  # summed in order, as the micro-batches ran
+        for c, kl, gap in result.values[: len(parts)]:  # summed in order, as the micro-batches ran
             clip_n, kl_sum, gap_sum = clip_n + c, kl_sum + kl, gap_sum + gap
         step_tokens = max(1, sum(sum(plan.work[i][0].action_mask) for i in idx))
-        return _MinibatchRecord(result, clip_n / step_tokens, kl_sum / step_tokens, gap_sum)
+        replay = result.values[len(parts):]
+        return _MinibatchRecord(result, clip_n / step_tokens, kl_sum / step_tokens, gap_sum, kl_field,
+                                sum(v[0] for v in replay), sum(v[1] for v in replay))
 
     def _stats(self, plan: UpdatePlan, records: list[_MinibatchRecord], gap: float | None, with_kl: bool) -> UpdateStats:
         """One record of the update: the first step's loss and gradient norm (today's GRPO step), the
@@ -316,10 +340,13 @@ class LocalLearner:
         if not first.step.stepped:
             return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                                skipped=True, stepped=False, optimizer_steps=0)
+        replay_tokens = sum(r.replay_tokens for r in records)
         return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                            optimizer_steps=sum(r.step.stepped for r in records),
                            clip_fraction=sum(r.clipped for r in records) / len(records),
-                           kl=sum(r.kl for r in records) / len(records) if with_kl else None)
+                           kl=sum(r.kl for r in records) / len(records) if with_kl else None,
+                           kl_coef_field=sum(r.kl_field for r in records) / len(records) if with_kl else None,
+                           replay_nll=sum(r.replay_nll for r in records) / replay_tokens if replay_tokens else None)
 
     def _minibatches(self, n: int) -> list[list[int]]:
         """The optimizer steps of one update: per epoch a permutation of the trajectories (seeded by
@@ -381,6 +408,8 @@ class LocalLearner:
         self._write_adapter(path / STATE_WEIGHTS)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")  # LoRA dropout draws from it
+        if self.replay is not None:
+            self.replay.save(path)
 
     def load_state(self, path: Path, version: int) -> WeightsRef:
         """Restore what `save_state` wrote; loads weights only (safetensors, weights_only=True)."""
@@ -390,8 +419,17 @@ class LocalLearner:
             raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
         torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
+        if self.replay is not None:
+            self.replay.load(path)
         self.version = version
         return WeightsRef(path / STATE_WEIGHTS, version)
 
     def close(self) -> None:
         """Nothing to free: the model goes with this object (a learner elsewhere frees its process)."""
+
+
+def _with_replay(loss_fn: Callable, replay_fn: Callable | None) -> Callable:
+    """One step's loss over its policy micro-batches and, after them, the success replay's (ReplayParts)."""
+    if replay_fn is None:
+        return loss_fn
+    return lambda model, part: replay_fn(model, part.rows) if isinstance(part, ReplayPart) else loss_fn(model, part)

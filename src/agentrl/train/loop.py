@@ -125,6 +125,10 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "optimizer_steps": stats.optimizer_steps if stats.stepped else 0,
         "clip_fraction": stats.clip_fraction,
         "kl_to_warm_start": stats.kl,
+        "kl_coef_field": stats.kl_coef_field,  # learner.kl_coef per action token, as the policy term weighs it
+        # success replay (learner.replay_coef): the replayed wins' mean NLL per action token, the buffer's size
+        "replay_nll": stats.replay_nll,
+        "replay_buffer": stats.replay_buffer,
         **behaviour_metrics(rollout.trajectories),
     }
 

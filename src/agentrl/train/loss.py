@@ -127,3 +127,48 @@ def kl_to_reference(token_logp: torch.Tensor, ref_logp: torch.Tensor, action_mas
     mask = action_mask.to(token_logp.dtype)
     d = (ref_logp - token_logp) * mask
     return ((torch.exp(d) - d - 1) * mask).sum()
+
+
+def kl_penalty(
+    token_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    action_mask: torch.Tensor,
+    agg: str = "seq-sum",
+    n_total: float | None = None,
+    tokens_total: float | None = None,
+) -> torch.Tensor:
+    """The k3 KL to the reference aggregated exactly as `grpo_loss` aggregates A logp (verl's
+    agg_loss of its kl_loss): each action token's KL gets the weight its policy term gets per unit
+    of advantage, so the coefficient on it is per action token, the field's unit
+    (`learner.kl_unit: per-token`). seq-sum: sum / N; token-mean: sum / tokens;
+    seq-mean-token-mean: per-sequence token mean, then / N."""
+    mask = action_mask.to(token_logp.dtype)
+    d = (ref_logp - token_logp) * mask
+    per_seq = ((torch.exp(d) - d - 1) * mask).sum(dim=1)
+    if agg == "seq-sum":
+        return per_seq.sum() / (n_total or token_logp.shape[0])
+    if agg == "token-mean":
+        return per_seq.sum() / max(1, tokens_total or float(mask.sum()))
+    if agg == "seq-mean-token-mean":
+        return (per_seq / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+
+
+def field_kl_coef(kl_coef: float, agg: str, n_total: float, tokens_total: float, kl_tokens: int,
+                  seq_tokens: list[int]) -> float:
+    """`learner.kl_unit: trained-mean`'s beta in the field's unit: the per-token coefficient a
+    loss with the KL aggregated as its policy term (`kl_penalty`) would need for the same update.
+    The trained-mean term gives each KL token the weight beta / kl_tokens (the trained action
+    tokens of the step); the policy term gives each token, per unit of A, 1 / N (seq-sum),
+    1 / tokens (token-mean) or 1 / (N T_i) (seq-mean-token-mean, T_i = sequence i's action
+    tokens). Their ratio: beta N / kl_tokens, beta tokens / kl_tokens, and beta N T_i / kl_tokens,
+    here averaged over the step's sequences (`seq_tokens`). `n_total` and `tokens_total` are the
+    step's share of the batch's trajectories (A = 0 ones included) and action tokens."""
+    kl_tokens = max(1, kl_tokens)
+    if agg == "seq-sum":
+        return kl_coef * n_total / kl_tokens
+    if agg == "token-mean":
+        return kl_coef * tokens_total / kl_tokens
+    if agg == "seq-mean-token-mean":
+        return kl_coef * n_total * sum(seq_tokens) / max(1, len(seq_tokens)) / kl_tokens
+    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")

@@ -13,7 +13,7 @@ the layer's input and norm outputs, q/k/v and their rotated copies, attention ou
 gate/up/activation/product: about 10 h + 4 kv + 4 i values per layer (h hidden size, kv the
 key/value width, i the MLP's width). With gradient checkpointing a layer keeps only its input
 (and the hidden state the loss reads), and one layer is recomputed at a time. Measured on the
-default model, fp32, 2-core CPU (docs/measurements.md): 1.61 MB per token without checkpointing
+default model, fp32, 2-core CPU (docs/measurements/learner-memory.md): 1.61 MB per token without checkpointing
 (this formula: 1.52) and 0.22 MB with it (0.19); SAFETY covers the difference and the allocator.
 """
 

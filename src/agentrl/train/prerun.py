@@ -32,7 +32,7 @@ def run_config(out: Path | None, resume: Path | None, force: bool, config: Path 
     settings of MAY_CHANGE_ON_RESUME may be given."""
     if resume is None:
         run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
-        return run, prepare_run(run, load_config(config, overrides), resume=False, force=force)
+        return run, prepare_run(run, check_kl_reference(load_config(config, overrides)), resume=False, force=force)
     changed = [k for k, v in overrides.items() if v is not None and k not in MAY_CHANGE_ON_RESUME]
     if changed or config or out:
         raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb, --sampler-batch-size, "
@@ -40,6 +40,14 @@ def run_config(out: Path | None, resume: Path | None, force: bool, config: Path 
                         f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
     return resume, prepare_run(resume, None, resume=True, force=False,
                                overrides={k: overrides.get(k) for k in MAY_CHANGE_ON_RESUME})
+
+
+def check_kl_reference(cfg: Config) -> Config:
+    """A KL penalty holds the policy to the warm start: a run with learner.kl_coef > 0 needs one
+    (a shipped config, configs/gigpo.yaml, carries the recipe's beta; --init-adapter gives the warm start)."""
+    if cfg.learner.kl_coef > 0 and not cfg.train.init_adapter:
+        raise UserError("learner.kl_coef > 0 needs a reference: the warm start (--init-adapter DIR)")
+    return cfg
 
 
 def check_run(cfg: Config) -> TaskSampler:
@@ -77,6 +85,7 @@ def offpolicy_plan(cfg: Config, out: Path | None, steps: int, groups_per_step: i
     for name, value in (("--steps", steps), ("--groups-per-step", groups_per_step), ("--positions", positions)):
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
+    check_kl_reference(cfg)
     if cfg.prompt.history:
         raise UserError("--off-policy teacher-forces each buffered trajectory as one sequence: not with prompt.history "
                         f"{cfg.prompt.history} (set prompt.history 0)")

@@ -43,8 +43,9 @@ from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
 from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.train.bc import masked_nll_sum  # noqa: F401 (sft's loss; tests import it from here)
 from agentrl.train.learner import LocalLearner, build_learner
-from agentrl.train.packing import Packed, final_hidden, target_mask
+from agentrl.train.rft import rollout_file, won_rollouts
 
 log = logging.getLogger(__name__)
 DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
@@ -205,18 +206,6 @@ def micro_batches(examples: list[Example], token_budget: int) -> list[list[Examp
     return out
 
 
-def masked_nll_sum(model, batch: Packed, masks: list[list[int]]) -> tuple[torch.Tensor, int]:
-    """(sum of -log p over the reply tokens, their number) of one micro-batch, teacher-forced;
-    `masks`: the action masks of its sequences, in `batch.spans` order. The vocabulary
-    projection runs on the reply positions only (about a tenth of the tokens)."""
-    chosen = target_mask(batch, masks)  # hidden state at p predicts token p + 1 of its sequence
-    hidden = final_hidden(model, batch)[chosen]
-    logits = model.get_output_embeddings()(hidden).float()
-    targets = torch.roll(batch.input_ids, -1, dims=1)[chosen]
-    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    return nll, int(chosen.sum())
-
-
 def example_micro_batches(learner: LocalLearner, examples: list[Example]) -> list[list[list[int]]]:
     """`examples` as the learner runs them: micro-batches of rows of indices (its token budget, packed)."""
     return learner.micro_batches([len(e.token_ids) for e in examples])
@@ -264,8 +253,9 @@ def sft_prompt(cfg: Config) -> Config:
     return cfg
 
 
-def recipe(cfg: Config) -> dict:
-    """Everything that decides what a warm start is (not where or how fast it is built)."""
+def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
+    """Everything that decides what a warm start is (not where or how fast it is built); `sources`:
+    `--from`'s files and their digests (the data in place of the walkthroughs)."""
     from dataclasses import asdict
 
     lc = cfg.learner
@@ -275,36 +265,46 @@ def recipe(cfg: Config) -> dict:
                        **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
             "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
                      "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
-            "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION}
+            "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION,
+            **({"from": [d["sha256"] for d in sources]} if sources else {})}
 
 
-def reusable(cfg: Config, out: Path) -> dict | None:
-    """The record of the warm start in `out` if it was built with this very recipe, else None."""
+def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict | None:
+    """The record of the warm start in `out` if it was built with this very recipe (and, for
+    `--from`, from files with the same contents), else None."""
     f = out / ADAPTER_RECORD
     try:
         record = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
     done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
-    return record if done and record.get("recipe") == recipe(sft_prompt(cfg)) else None
+    files = [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources or []]
+    return record if done and record.get("recipe") == recipe(sft_prompt(cfg), files or None) else None
 
 
 def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
-            cache_dir: Path | None = None) -> dict:
-    """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json."""
+            cache_dir: Path | None = None, sources: list[Path] | None = None) -> dict:
+    """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json.
+    `sources` (`--from`): rollouts' trajectories.jsonl files (or their directories): their won
+    trajectories are the data in place of the walkthroughs (rejection-sampling fine-tuning)."""
     hooks = hooks or SftHooks()
     cfg = sft_prompt(cfg)
     s = cfg.sft
     check_out_dir(out, force)
-    games = select_games(cfg, s.split, s.games)
+    games = [] if sources else select_games(cfg, s.split, s.games)
     heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
     t0 = time.perf_counter()
     if model is None or tokenizer is None:
         model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
+    won = won_rollouts(sources, tokenizer, cfg.prompt.history or 0) if sources else None  # before any replay: errors first
     data, held = replay(cfg, games, heldout_games, tokenizer, cache_dir, hooks)
+    if won is not None:
+        data = ExpertData([Example(*seq) for seq in won.sequences])
     replay_s = time.perf_counter() - t0
     learner = sft_learner(cfg, model)
-    rows = [{"kind": "dataset", "games": len(games), "examples": len(data.examples), "skipped": len(data.skipped),
+    origin = ({"from": won.files, "trajectories": won.trajectories, "won": won.won} if won is not None
+              else {"split": s.split, "games": len(games)})
+    rows = [{"kind": "dataset", **origin, "examples": len(data.examples), "skipped": len(data.skipped),
              "reply_tokens": sum(e.reply_tokens for e in data.examples),
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
              "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg),
@@ -314,12 +314,12 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
-        "sft": {"split": s.split, "games": len(games), "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+        "sft": {**origin, "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((time.perf_counter() - t0) / 60, 2),
-        "recipe": recipe(cfg),
+        "recipe": recipe(cfg, won.files if won is not None else None),
     }
     write_adapter(learner.model, out, summary, rows, force)
     return summary
@@ -343,7 +343,7 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
             r = d.replay
             log.info("%s walkthroughs: %d from the replay cache, %d replayed in %.1fs; %d won, %d unwinnable, %d failed",
                      name, r.hits, r.replayed, r.seconds, r.won, r.unwinnable, r.failed)
-    if not data.examples:
+    if games and not data.examples:  # (no games: `--from`'s rollouts are the data)
         raise UserError(f"none of the {len(games)} selected walkthroughs could be replayed to a win; nothing to learn")
     return data, held
 
@@ -364,7 +364,7 @@ def sft_learner(cfg: Config, model) -> LocalLearner:
     decay), freshly initialised from cfg.seed (GRPO then continues it), AdamW at sft.lr, clipped
     at sft.grad_clip. No KL reference and no activation checkpointing: sft never used them."""
     settings = dataclasses.replace(cfg.learner, lr=cfg.sft.lr, grad_clip=cfg.sft.grad_clip, kl_coef=0.0,
-                                   gradient_checkpointing=False)
+                                   replay_coef=0.0, gradient_checkpointing=False)
     return build_learner(cfg, model, settings=settings, warm_start=False)
 
 
