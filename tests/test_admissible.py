@@ -212,3 +212,44 @@ def test_tier2_views_keep_the_sampled_spans_allowed_ids():
     assert view.allowed == [[1], [2, 3], [8, 9]] and sum(view.action_mask) == 3
     assert make_view(traj, [1]).allowed == [[4], [5, 6], [7]]
     assert make_view(BufferTrajectory("t", 0, 1.0, list(range(10)), mask, [0.0] * 10), [1]).allowed == []
+
+
+def test_a_constrained_run_resumes_exactly(tmp_path, tiny_actor_dir):
+    """`agentrl train --action-space admissible` on the synthetic task: 1 iteration, stop, resume to
+    2 == 2 straight (losses, samples, weights); the learner renormalises over the stored allowed ids."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from agentrl.config import load_config
+    from agentrl.train.loop import prepare_run, start_run, train
+
+    def cfg(iterations):
+        return load_config(None, {
+            "model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 2, "rollout.gate": "off",
+            "rollout.tasks": 2, "rollout.group_size": 4, "sampling.temperature": 1.0, "sampling.max_new_tokens": 16,
+            "sampling.action_space": "admissible", "prompt.reply": "action", "learner.lora_r": 4, "learner.lora_alpha": 8,
+            "learner.target_modules": ["q_proj", "v_proj"], "learner.lr": 1e-2, "learner.minibatches": 2,
+            "train.iterations": iterations, "train.eval_every": 0, "train.eval_tasks": 0, "seed": 5})
+
+    def run(path, iterations, resume=False):
+        c = cfg(iterations)
+        if resume:
+            c = prepare_run(path, None, resume=True, force=False, overrides={"train.iterations": iterations})
+        else:
+            start_run(path, prepare_run(path, c, resume=False, force=False), force=False)
+        train(c, path, resume=resume)
+        return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if '"iteration"' in line]
+
+    straight = run(tmp_path / "straight", 2)
+    run(tmp_path / "resumed", 1)
+    resumed = run(tmp_path / "resumed", 2, resume=True)
+    keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained", "adapter_version")
+    its = lambda rows: [{k: r.get(k) for k in keys} for r in rows if r.get("kind") == "iteration"]  # noqa: E731
+    assert its(straight) == its(resumed) and len(its(straight)) == 2
+    assert all(r["valid_action_rate"] == 1.0 for r in straight if r.get("kind") == "iteration")
+    for name in ("straight", "resumed"):
+        assert (tmp_path / name / "checkpoints" / "it00002").is_dir()
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)

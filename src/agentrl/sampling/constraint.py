@@ -50,10 +50,6 @@ class CommandSet:
             seen.setdefault(tuple(int(i) for i in ids), name)
         return cls(tuple(seen), tuple(seen.values()))
 
-    @property
-    def longest(self) -> int:
-        return max(len(c) for c in self.commands)
-
     def check_stops(self, stop_ids: set[int]) -> None:
         """Every command must end with a stop token (else a reply would run on past its command), and
         none may contain one before its end (the reply would stop inside it)."""
