@@ -134,7 +134,7 @@ class RolloutConfig:
     # `agentrl rollout --verify-logprobs`: every trajectory written, teacher-forced through the learner's
     # log-prob path, against the sampler's log-probs; exit 1 above the tolerance (docs/commands.md)
     verify_logprobs: bool = False
-    # auto: fp32 the largest gap <= 1e-4; bf16/fp16 the mean <= 5e-3 and the 99.9th percentile <= 5e-2.
+    # auto: fp32 the largest gap <= 1e-4; bf16/fp16 the mean <= 5e-3 and the 99.9th percentile <= 0.5.
     # Else `max=X`, `mean=X,p99.9=Y` (any of max, p99.9, mean) or a number (the largest gap)
     verify_tolerance: str | float = "auto"
 
