@@ -115,11 +115,12 @@ def test_one_corrupted_logprob_fails_and_is_named(rollout, learner):
     assert replace(check, tolerance={"mean": 0.4 / check.tokens, "p99.9": 1.0}).over == ["mean"]
 
 
-def test_tier1_arms_are_named(rollout, learner):
+def test_tier1_arms_are_named_and_a_nan_fails(rollout, learner):
     _, r, _ = rollout
-    trajs, _ = corrupt(r.trajectories, 0, 0, 0)
-    check = check_logprobs(learner, [("baseline", r.trajectories[:1]), ("gated", trajs[:1])], {"max": 1e-4}, "fp32")
+    trajs, _ = corrupt(r.trajectories, 0, 0, 0, by=float("nan"))
+    check = check_logprobs(learner, [("baseline", r.trajectories[:1]), ("gated", trajs[:1])], {"mean": 1.0}, "bf16")
     assert check.trajectories == 2 and check.worst.where == "gated" and "worst: gated/game " in check.failure()
+    assert check.over == ["mean"] and check.max == check.mean == float("inf")
 
 
 def test_history_windows_are_checked_as_the_learner_trains_them(tiny_actor_dir, tmp_path):

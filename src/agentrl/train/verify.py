@@ -132,7 +132,7 @@ def _token_gaps(learner: LocalLearner, trajectories: list) -> tuple[list[np.ndar
         positions = np.flatnonzero(np.asarray(item.action_mask))
         learned = lp.detach().float().cpu().numpy().astype(np.float64)[positions]
         sampled = np.asarray(item.logprobs, dtype=np.float64)[positions]
-        gaps.append(np.abs(sampled - learned))
+        gaps.append(np.nan_to_num(np.abs(sampled - learned), nan=np.inf))  # a NaN on either side is a fault, never a pass
         meta.append((item, origin, positions, learned))
     return gaps, meta
 
