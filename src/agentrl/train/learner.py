@@ -384,7 +384,7 @@ class LocalLearner:
                     p.copy_(w)
 
     def logprobs(self, items: list) -> list[torch.Tensor]:
-        """Per item (a trajectory or TrainItem, as `plan` forwards it: under prompt.history, `per_step_items`'),
+        """Per item (a trajectory or TrainItem, as `plan` forwards it: under prompt.history, `per_step_items`'s),
         its token log-probs under the current policy, float32 on the learner's device: the update's
         own pre-pass (`_logprobs`: micro-batches, packing, autocast, eval mode, and whatever per-token
         masks it applies). `agentrl rollout --verify-logprobs` checks the sampler against these."""
