@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from agentrl.errors import UserError
-from agentrl.specs import check_ray_address, check_select, parse_gate
+from agentrl.specs import check_ray_address, check_select, parse_gate, parse_tolerance
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -137,6 +137,12 @@ class RolloutConfig:
     # `agentrl rollout`: the tasks in this many consecutive lockstep rounds (fewer rows held at once;
     # an auto gate re-fits its threshold between rounds)
     rounds: int = 1
+    # `agentrl rollout --verify-logprobs`: every trajectory written, teacher-forced through the learner's
+    # log-prob path, against the sampler's log-probs; exit 1 above the tolerance (docs/commands.md)
+    verify_logprobs: bool = False
+    # auto: fp32 the largest gap <= 1e-4; bf16/fp16 the mean <= 5e-3 and the 99.9th percentile <= 0.5.
+    # Else `max=X`, `mean=X,p99.9=Y` (any of max, p99.9, mean) or a number (the largest gap)
+    verify_tolerance: str | float = "auto"
 
     def parsed_gate(self):
         return parse_gate(self.gate, self.gate_or_tau)
@@ -367,6 +373,7 @@ class Config:
         for t in [*self.eval.task_types, *self.rollout.task_types]:
             check_task_type(t)
         _raise_first(_check_rollout(self))
+        parse_tolerance(self.rollout.verify_tolerance)
         _raise_first([*_check_learner(self), *_check_train(self)])
         gate = self.rollout.parsed_gate()
         t_max = self.t_max("rollout")

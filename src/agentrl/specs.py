@@ -183,3 +183,40 @@ def check_ray_address(address: str) -> str:
     if address in ("local", "auto") or HOST_PORT.match(address):
         return address
     raise UserError(f"--ray-address must be local, auto or HOST:PORT (e.g. 10.0.0.1:6379), got {address!r}")
+
+
+# `agentrl rollout --verify-logprobs`: the statistics of |sampler log p - learner log p| over action
+# tokens a tolerance may bound, and the bounds when none is given. fp32 is exact up to the order of
+# float sums (~1e-6): its largest gap is held to 1e-4. In bf16 both sides round the logits to 8 bits
+# (a step of 0.06-0.125 at the logits sampled tokens have), and where the hidden states differ in
+# the last bit a token's log-prob flips by a step: a few tokens in a hundred (mean gap ~2e-3 on a
+# GPU), so the largest gap and the p99.9 sit on a flip (measured 0.22 on the CPU). The mean is held
+# to 5e-3 (a stale adapter moves every token), the p99.9 to 0.5 (a re-tokenised or mis-masked token
+# is off by nats, a flip by a fraction of one).
+GAP_STATISTICS = ("max", "p99.9", "mean")
+DEFAULT_TOLERANCE = {"fp32": {"max": 1e-4}, "low": {"mean": 5e-3, "p99.9": 0.5}}
+
+
+def parse_tolerance(spec: str | float | None) -> dict[str, float] | None:
+    """`rollout.verify_tolerance`: auto (None: the precision's default) | `max=1e-4` |
+    `mean=5e-3,p99.9=0.5` (any of max, p99.9, mean) | a bare number (a bound on the largest gap)."""
+    if spec is None or (isinstance(spec, str) and spec.strip() == "auto"):
+        return None
+    text = str(spec).strip()
+    bounds: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name, value = (name.strip(), value.strip()) if sep else ("max", name.strip())
+        if name not in GAP_STATISTICS:
+            raise UserError(f"rollout.verify_tolerance: unknown statistic {name!r} in {text!r}; use "
+                            f"{', '.join(GAP_STATISTICS)} (e.g. mean=5e-3,p99.9=0.5), a number (the largest gap) or auto")
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = float("nan")
+        if not bound >= 0 or bound == float("inf"):
+            raise UserError(f"rollout.verify_tolerance: {name} must be a number >= 0, got {value!r}")
+        if name in bounds:
+            raise UserError(f"rollout.verify_tolerance: {name} given twice in {text!r}")
+        bounds[name] = bound
+    return bounds

@@ -142,6 +142,19 @@ def print_rollout(rollout, gate) -> None:
                   f"{s.step_tokens} step-tokens · {sum(g.cut for g in rollout.groups)}/{len(rollout.groups)} groups cut")
 
 
+def print_logprob_check(check, path) -> None:
+    """`agentrl rollout --verify-logprobs`: the gap statistics, the tolerance and the verdict (a failure's one line goes to stderr)."""
+    if not check.tokens:
+        console.print(f"log-prob check: no action tokens in {check.trajectories} trajectories; wrote {path}")
+        return
+    bounds = ", ".join(f"{n} <= {b:g}" for n, b in check.tolerance.items())
+    verdict = "[green]passed[/]" if check.passed else "[bold red]failed[/]"
+    console.print(f"log-prob check ({check.precision}, {check.tokens:,} action tokens of {check.trajectories} trajectories): "
+                  f"|sampler - learner| largest {check.max:.3g}, p99.9 {check.p99_9:.3g}, mean {check.mean:.3g}; "
+                  f"tolerance {bounds}: {verdict}")
+    console.print(f"wrote {path}")
+
+
 # ---------------------------------------------------------------- train
 SHORT_TYPE = dict(zip(TASK_TYPES, ("pick", "pick2", "clean", "heat", "cool", "look")))
 

@@ -7,14 +7,14 @@ from typing import Annotated, Optional
 import typer
 
 from agentrl.cli.app import app
-from agentrl.cli.display import (console, err, metrics_line, print_curve, print_rollout, print_summary, progress_bar, run_line,
-                                 sft_epoch_line, sft_summary_lines, start_phase, step_info)
+from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
+                                 progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
 from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
 from agentrl.env import open_envs
-from agentrl.errors import UserError
+from agentrl.errors import RunError, UserError
 from agentrl.evaluate import prepare_eval, run_eval, summary
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.models import resolve_model
@@ -80,6 +80,8 @@ def rollout_cmd(
     tier1_ab: opt(bool, None, "Baseline vs gated on the same tasks and seeds (Tier 1).", "--tier1-ab") = False,
     rounds: opt(OptInt, "rollout.rounds", "Roll the tasks in this many consecutive lockstep rounds (fewer rows held at once; an auto gate re-fits between rounds).") = None,
     gate_audit: opt(OptFloat, "select.gate_audit", "Share of the groups the gate would cut that run on anyway: their outcome measures the gate (an auto gate needs it).") = None,
+    verify_logprobs: opt(OptBool, "rollout.verify_logprobs", "Then teacher-force every trajectory written through the learner's log-prob path: print the largest, p99.9 and mean |sampler - learner| gap over action tokens, write verify_logprobs.json, exit 1 above the tolerance.", "--verify-logprobs/--no-verify-logprobs") = None,
+    verify_tolerance: opt(OptStr, "rollout.verify_tolerance", "The check's bounds: auto (fp32: largest <= 1e-4; bf16: mean <= 5e-3 and p99.9 <= 0.5) | max=X | mean=X,p99.9=Y | X (the largest gap).") = None,
     env_workers: EnvWorkersOpt = None,
     ray_address: RayAddressOpt = None,
     sampler_replicas: SamplerReplicasOpt = None,
@@ -119,12 +121,23 @@ def rollout_cmd(
             return on_step, on_reset
 
         result = rollout = run_rollout(cfg, games, generator, out, tier1_ab, progress)
+    del generator  # closed: its weights and KV store go before a log-prob check loads the learner's
     if tier1_ab:
         console.print(tier1_markdown(result.report))
         console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")
     else:
         print_rollout(rollout, the_gate)
         console.print(f"wrote {out / 'trajectories.jsonl'} and {out / 'groups.csv'}")
+    if cfg.rollout.verify_logprobs:
+        from agentrl.train.verify import RESULT_FILE, verify_rollout
+
+        arms = ([("baseline", result.baseline.trajectories), ("gated", result.gated.trajectories)] if tier1_ab
+                else [("", rollout.trajectories)])
+        with err.status("checking log-probs (teacher-forced through the learner)"):
+            check = verify_rollout(cfg, arms, out)
+        print_logprob_check(check, out / RESULT_FILE)
+        if not check.passed:
+            raise RunError(check.failure())
 
 
 # ---------------------------------------------------------------- train

@@ -158,6 +158,11 @@ class LocalLearner:
         return self.params[0].device
 
     @property
+    def history(self) -> int:
+        """prompt.history N: each reply is forwarded against its own window (`per_step_items`); 0: whole trajectories."""
+        return int((self.prompt or {}).get("history") or 0)
+
+    @property
     def packing(self) -> bool:
         """Rows packed with several sequences (learner.packing, and the model's attention masks them)."""
         return self.cfg.packing and supports_packing(self.model)
@@ -263,9 +268,8 @@ class LocalLearner:
         whose steps are all A = 0 is left out the same way."""
         n_total = len(batch)
         tokens_total = sum(sum(t.action_mask) for t, _ in batch)
-        history = int((self.prompt or {}).get("history") or 0)
-        if history:  # prompt.history: each reply was sampled from its own window; train each on it (N stays trajectories)
-            batch = per_step_items(batch, history)
+        if self.history:  # prompt.history: each reply was sampled from its own window; train each on it (N stays trajectories)
+            batch = per_step_items(batch, self.history)
         work = [(t, a) for t, a in batch if not is_zero(a)]
         return UpdatePlan(work, self._minibatches(len(work)) if work else [], n_total, tokens_total,
                           sum(trained_tokens(t, a) for t, a in work))
@@ -389,6 +393,13 @@ class LocalLearner:
             if saved is not None:
                 for p, w in zip(self.params, saved):
                     p.copy_(w)
+
+    def logprobs(self, items: list) -> list[torch.Tensor]:
+        """Per item (a trajectory or TrainItem, as `plan` forwards it: under prompt.history, `per_step_items`'s),
+        its token log-probs under the current policy, float32 on the learner's device: the update's
+        own pre-pass (`_logprobs`: micro-batches, packing, autocast, eval mode, and whatever per-token
+        masks it applies). `agentrl rollout --verify-logprobs` checks the sampler against these."""
+        return self._logprobs([(t, None) for t in items])
 
     def _stack(self, rows: list[torch.Tensor], idx: list[int], width: int) -> torch.Tensor:
         out = torch.zeros((len(idx), width), device=self.device)
