@@ -194,6 +194,9 @@ class SftConfig:
 
     split: str = "train"
     games: int | None = None  # walkthroughs, round-robin over task types; None: every game of the split
+    # before the round robin, keep N games per task type spread evenly over its games (None: all): 100
+    # is how ../shared/data/alfworld's 600 train games were drawn, so the same games come from either root
+    spread: int | None = None
     epochs: int = 2
     lr: float = 5e-4
     # 1024 tokens per micro-batch and one micro-batch per step: a walkthrough averages ~740 tokens,
@@ -487,6 +490,7 @@ def _check_sft(c: Config) -> Checks:
     return [
         (s.epochs >= 1, f"sft.epochs must be >= 1, got {s.epochs}"),
         (s.games is None or s.games >= 1, f"sft.games must be >= 1, got {s.games}"),
+        (s.spread is None or s.spread >= 1, f"sft.spread must be >= 1, got {s.spread}"),
         (s.lr > 0, f"sft.lr must be > 0, got {s.lr}"),
         (s.token_budget >= 64, f"sft.token_budget must be >= 64, got {s.token_budget}"),
         (s.batch_games >= 1, f"sft.batch_games must be >= 1, got {s.batch_games}"),
