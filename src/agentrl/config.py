@@ -226,6 +226,12 @@ class TrainConfig:
     logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
     init_adapter: str | None = None  # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0
+    # with init_adapter: first evaluate the base model alone on the held-out tasks (the warm start's prompt), so the
+    # learning curve starts at the base: base -> warm start -> GRPO
+    eval_base: bool = False
+    # keep iteration 0's evals (base model, warm start) in <cache>/evals/, keyed by weights, model, prompt, games,
+    # T_max and sampler settings: a later run of the same ones reads them instead of running them again
+    eval_cache: bool = False
     keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
     log_to: str | None = None  # also log to: tensorboard, wandb (comma-separated); metrics.jsonl always
     # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;

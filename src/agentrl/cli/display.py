@@ -14,7 +14,7 @@ from agentrl.analysis.summary import signal_choice
 from agentrl.config import TASK_TYPES
 from agentrl.report import transposed
 from agentrl.specs import _SHORT
-from agentrl.stats import eval_text, learning_verdict, wilson
+from agentrl.stats import eval_text, learning_verdict, warm_start_verdict, wilson
 from agentrl.train.totals import run_totals
 
 console = Console()
@@ -180,7 +180,10 @@ def print_curve(rows: list[dict], where) -> None:
     """The learning curve of a run (its metrics rows): one row per iteration, held-out success where evaluated."""
     eval_rows = {r["iteration"]: r for r in rows if r["kind"] == "eval"}
     evals = {i: eval_text(r) for i, r in eval_rows.items()}
+    base = next((r for r in reversed(rows) if r["kind"] == "base_eval"), None)
     t = table(f"learning curve · {where}", ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out [95% CI]"))
+    if base is not None:
+        t.add_row("base", "", "", "", "", eval_text(base))
     if 0 in evals:
         t.add_row("0", "", "", "", "", evals[0])
     for r in rows:
@@ -190,9 +193,9 @@ def print_curve(rows: list[dict], where) -> None:
                       f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", evals.get(r["iteration"], ""))
     console.print(t)
     print_stage_totals([r for r in rows if r["kind"] == "iteration"])
-    line = learning_verdict(list(eval_rows.values()))
-    if line:
-        console.print(f"[bold]{line}[/]")
+    for line in (warm_start_verdict(base, list(eval_rows.values())), learning_verdict(list(eval_rows.values()))):
+        if line:
+            console.print(f"[bold]{line}[/]")
 
 
 def print_stage_totals(rows: list[dict]) -> None:
@@ -220,10 +223,12 @@ def print_stage_totals(rows: list[dict]) -> None:
 
 def metrics_line(row: dict, iterations: int) -> str:
     """One line per metrics row: what a user watches while the run goes."""
-    if row["kind"] == "eval":
+    if row["kind"] in ("eval", "base_eval"):
         types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
-        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{eval_text(row)}[/] "
-                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
+        what = "base model" if row["kind"] == "base_eval" else f"it {row['iteration']:>3}"
+        took = "cached" if row.get("cached") else f"{row['eval_s']:.1f}s"
+        return (f"[bold cyan]eval[/] {what}  held-out success [bold]{eval_text(row)}[/] "
+                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {took}")
 
     return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "

@@ -58,8 +58,9 @@ def report_cmd(
     rep = build_report(runs, out)
     print_report_tables(tables(rep))
     for r in rep["runs"]:
-        if r.get("heldout_verdict"):
-            console.print(f"[bold]{r['name']}[/]: {r['heldout_verdict']}")
+        for line in (r.get("warm_start_verdict"), r.get("heldout_verdict")):
+            if line:
+                console.print(f"[bold]{r['name']}[/]: {line}")
     if len(runs) > 1 and not rep["pairs"]:
         console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
     console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
