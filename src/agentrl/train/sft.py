@@ -314,7 +314,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
-        "sft": {**origin, "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+        "sft": {**origin, "examples": len(data.examples), "skipped": len(data.skipped), "epochs": s.epochs, "lr": s.lr,
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
