@@ -102,7 +102,8 @@ def on_record(cfg: Config, games) -> dict[str, str]:
 
 def keeps(recorded: dict[str, str]):
     """metrics.jsonl's rows that a resume without a checkpoint keeps: iteration 0's evals of these keys."""
-    return lambda row: row.get("iteration") == 0 and row.get("eval_key") == recorded.get(row.get("kind"))
+    return lambda row: (row.get("iteration") == 0 and recorded.get(row.get("kind")) is not None
+                        and row.get("eval_key") == recorded.get(row.get("kind")))
 
 
 def iteration0(cfg: Config, generator, games, metrics, hooks, evaluate, kept: list[dict]) -> tuple[dict, float]:
