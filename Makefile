@@ -7,9 +7,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.agentrl-installed
 # torch: the CPU build (override e.g. TORCH_SPEC="torch==2.13.0 --index-url ..." on a GPU box)
 TORCH_SPEC ?= torch==2.13.0
-# ALFWorld data: $ALFWORLD_DATA if set, else this workplace's shared copy, else alfworld's default
+# ALFWorld data: $ALFWORLD_DATA if set, else this workplace's shared copy (600 train games: what
+# `make test` and CI use), else alfworld's default
+DATA_SET_BY_USER := $(filter environment environment% command%,$(origin ALFWORLD_DATA))
 ALFWORLD_DATA ?= $(if $(wildcard ../shared/data/alfworld/json_2.1.1),$(abspath ../shared/data/alfworld),$(HOME)/.cache/alfworld)
 export ALFWORLD_DATA
+# `make train` and `make bench`: every train game (3,553) where this workplace ships them, unless
+# ALFWORLD_DATA is set: the script unpacks them once (sha256-checked) and prints their root
+FULL_DATA_SH := $(if $(DATA_SET_BY_USER),,$(wildcard $(abspath ../shared/data/alfworld-full.sh)))
+FULL_DATA := $(if $(FULL_DATA_SH),root=$$(bash $(FULL_DATA_SH)) && export ALFWORLD_DATA=$$root && echo "ALFWorld data: $$root" &&,)
 # `make train` writes a new run directory each time (never overwrites one)
 RUN ?= runs/train-$(shell date +%Y%m%d-%H%M%S)
 # the warm start `make train` begins from: built once, reused while the config's recipe is the same
@@ -31,8 +37,9 @@ model: setup
 	$(BIN)/agentrl model prepare
 
 train: model
-	$(BIN)/agentrl sft --config $(CONFIG) --out $(WARMSTART) --reuse --force
-	$(BIN)/agentrl train --config $(CONFIG) --init-adapter $(WARMSTART) --out $(RUN)
+	$(FULL_DATA) \
+	$(BIN)/agentrl sft --config $(CONFIG) --out $(WARMSTART) --reuse --force && \
+	$(BIN)/agentrl train --config $(CONFIG) --init-adapter $(WARMSTART) --out $(RUN) && \
 	$(BIN)/agentrl report $(RUN)
 
 test: model
@@ -42,7 +49,8 @@ test-fast: model
 	$(BIN)/python -m pytest -q -m "not integration"
 
 bench: model
-	$(BIN)/python benchmarks/bench_env.py
+	$(FULL_DATA) \
+	$(BIN)/python benchmarks/bench_env.py && \
 	$(BIN)/python benchmarks/bench_rollout.py
 
 clean:

@@ -179,3 +179,39 @@ def test_data_replay_fills_the_cache_and_says_what_it_did(tmp_path, data_root):
     (tmp_path / "bad.xz").write_text("not xz")
     bad = agentrl("--import", str(tmp_path / "bad.xz"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "cannot read" in bad.stderr
+
+
+def test_how_many_games_are_playable_is_said_where_a_user_looks(tmp_path, games):
+    """A data root of three train games, one of them a real game whose walkthrough was cut short
+    (it cannot win): `agentrl data replay` counts and names it, `agentrl data check` then says how
+    many are playable, and `agentrl eval --policy walkthrough` says the same from the engine."""
+    root = tmp_path / "data"
+    short = unwinnable_game(games, tmp_path / "short")
+    for game in (games["pick_and_place_simple"], games["look_at_obj_in_light"], short):
+        f = root / "json_2.1.1" / "train" / game.path.parent.parent.name / game.path.parent.name / "game.tw-pddl"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(game.path.read_bytes())
+    env = os.environ | {"AGENTRL_CACHE": str(tmp_path / "cache"), "COLUMNS": "250"}
+
+    def agentrl(*args):
+        out = subprocess.run([sys.executable, "-m", "agentrl.cli", *args, "--data", str(root)], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    before = agentrl("data", "check")
+    assert "train: 0 playable (their walkthrough wins), 0 whose walkthrough does not win (agentrl sft skips them), " \
+           "3 not replayed yet (`agentrl data replay --split train` replays them)" in before
+    replayed = agentrl("data", "replay", "--split", "train", "--env-workers", "0")
+    assert "2 won, 1 unwinnable, 0 failed" in replayed
+    assert "playable: 2 of 3; 1 whose walkthrough does not win are skipped by agentrl sft" in replayed
+    assert f"does not win {short.game_id}" in replayed
+    after = agentrl("data", "check")
+    assert "train: 2 playable (their walkthrough wins), 1 whose walkthrough does not win (agentrl sft skips them), " \
+           "0 not replayed yet" in after
+    played = agentrl("eval", "--split", "train", "--policy", "walkthrough", "--env-workers", "0",
+                     "--out", str(tmp_path / "eval"))
+    assert "playable: 2 of 3 walkthroughs win; 1 do not (agentrl sft skips them, counted)" in played
+    assert f"does not win: {short.game_id}" in played
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["walkthroughs"] == {"won": 2, "unwinnable": [short.game_id], "longer_than_t_max": []}

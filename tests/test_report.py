@@ -185,3 +185,31 @@ def test_heldout_cells_of_older_runs_without_counts(report):
     b, g = rep["runs"]
     assert g["final_heldout"] == "62.5% [30.6, 86.3] of 8"  # eval rows before `won`: the count from tasks x success
     assert b["heldout_verdict"] is None  # no per-game outcomes: nothing to pair
+
+
+def test_the_curve_starts_at_the_base_model(tmp_path):
+    """A run with the base model's eval (train.eval_base): the report's curve reads base ->
+    iteration 0 (warm start) -> iteration 2, each with its interval and the paired change from the
+    point before, and the warm start's gain gets its own verdict line."""
+    games = [f"g{i}" for i in range(12)]
+
+    def row(kind, it, won):
+        return {**evaluation(it, won / 12), "kind": kind, "tasks": 12, "won": won,
+                "outcomes": {g: float(i < won) for i, g in enumerate(games)}}
+
+    run = write_run(tmp_path / "run", 1, "off", [row("base_eval", 0, 0), row("eval", 0, 9),
+                                                 iteration(1, 10.0, 1.0, 0, 0, 0.5), iteration(2, 20.0, 1.0, 0, 0, 0.5),
+                                                 row("eval", 2, 10)])
+    with open(run / "config.yaml", "a") as f:
+        f.write("  init_adapter: /warm\n")
+    rep = build_report([run], tmp_path / "report")
+    (r,) = rep["runs"]
+    assert [(c["what"], c["heldout"]) for c in r["curve"]] == [
+        ("base model", "0.0% [0.0, 24.2] of 12"), ("iteration 0 (warm start)", "75.0% [46.8, 91.1] of 12"),
+        ("iteration 2", "83.3% [55.2, 95.3] of 12")]
+    assert [c["change_pts"] for c in r["curve"]][:2] == [None, 75.0] and r["curve"][2]["change_pts"] == pytest.approx(100 / 12)
+    assert r["warm_start_verdict"].startswith("held-out success, base model -> warm start (iteration 0): 0.0% -> 75.0%")
+    assert r["warm_start_verdict"].endswith("a gain beyond noise")
+    assert r["initial_heldout"] == "75.0% [46.8, 91.1] of 12"  # iteration 0 is still the warm start's eval
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| base model | 0.0% [0.0, 24.2] of 12 |" in md and "- run: held-out success, base model -> warm start" in md

@@ -275,6 +275,53 @@ def test_init_adapter_is_served_as_version_0(tmp_path, warm_start, tiny_actor_di
     assert gap_base > 1e-3  # the warm start really changed the policy
 
 
+def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tmp_path, warm_start, tiny_actor_dir,
+                                                                                 monkeypatch):
+    """train.eval_base: the base model (no adapter loaded yet) is evaluated on the held-out games,
+    then the warm start as version 0 on the same games; train.eval_cache keeps both, so a second
+    run of the same warm start reads them (cached, same outcomes) and runs no episode before its
+    first rollout; the report shows base -> warm start -> iteration 1."""
+    import agentrl.sampling as sampling
+
+    from agentrl.report import build_report
+    from agentrl.train.loop import prepare_run, start_run, train
+
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
+    out, _ = warm_start
+    real, made = sampling.make_sampler, []
+    monkeypatch.setattr(sampling, "make_sampler", lambda *a, **k: made.append(Recording(real(*a, **k))) or made[-1])
+    cfg = load_config(None, {"model.name": str(tiny_actor_dir), "env.kind": "synthetic", "env.max_steps": 2,
+                             "train.init_adapter": str(out), "train.iterations": 1, "train.eval_tasks": 3,
+                             "train.eval_base": True, "train.eval_cache": True, "rollout.tasks": 2,
+                             "rollout.group_size": 2, "sampling.max_new_tokens": 12, "rollout.gate": "off"})
+
+    def run_once(name):
+        run = tmp_path / name
+        start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
+        train(cfg, run)
+        return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    first, rows = run_once("first")
+    assert [(r["kind"], r["iteration"]) for r in rows] == [("base_eval", 0), ("eval", 0), ("iteration", 1), ("eval", 1)]
+    base, warm = rows[0], rows[1]
+    assert base["weights"] == "base" and warm["weights"].startswith("adapter-") and base["eval_key"] != warm["eval_key"]
+    assert set(base["outcomes"]) == set(warm["outcomes"]) and len(base["outcomes"]) == 3
+    assert not base.get("cached") and not warm.get("cached")
+    versions = [v for v, _ in made[0].calls]
+    n_base = versions.index(0)  # the base model's episodes came first, with no adapter loaded
+    assert n_base > 0 and set(versions[:n_base]) == {None}
+    assert len(list((tmp_path / "cache" / "evals").glob("*.json"))) == 2
+
+    second, again = run_once("second")
+    assert [(r["kind"], r.get("cached")) for r in again[:2]] == [("base_eval", True), ("eval", True)]
+    assert [r["outcomes"] for r in again[:2]] == [base["outcomes"], warm["outcomes"]]
+    assert made[1].calls and made[1].calls[0][0] == 0  # no base-model episode ran: the first generate is the rollout's
+
+    (r,) = build_report([second], tmp_path / "report")["runs"]
+    assert [c["what"] for c in r["curve"]] == ["base model", "iteration 0 (warm start)", "iteration 1"]
+    assert r["warm_start_verdict"].startswith("held-out success, base model -> warm start (iteration 0)")
+
+
 def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_start, tiny_actor_dir, monkeypatch):
     from safetensors.torch import load_file
 

@@ -122,6 +122,41 @@ def test_resume_drops_metrics_after_the_checkpoint(tmp_path, tiny_actor_dir):
     assert its == [1, 2] and read_metrics(run)[1]["loss"] != 9.0 and read_metrics(run)[1]["adapter_version"] == 2
 
 
+def test_resume_keeps_an_eval_on_record_for_the_same_weights_and_games(tmp_path, tiny_actor_dir, monkeypatch):
+    """A run that fails in its first update has recorded iteration 0's eval and no checkpoint:
+    --resume starts over from iteration 1 but does not run that eval again; a record of other
+    weights or games (its eval_key differs) is run again."""
+    import shutil
+
+    import agentrl.train.loop as loop
+
+    real, ran = loop.evaluate, []
+    monkeypatch.setattr(loop, "evaluate", lambda cfg, gen, games, it, *a: ran.append(it) or real(cfg, gen, games, it, *a))
+    run = tmp_path / "run"
+    monkeypatch.setenv("AGENTRL_FAULT", "enospc:update@1")
+    with pytest.raises(OSError):
+        run_train(run, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}))
+    monkeypatch.delenv("AGENTRL_FAULT")
+    (recorded,) = read_metrics(run)
+    assert (recorded["kind"], recorded["iteration"], ran) == ("eval", 0, [0]) and recorded["eval_key"]
+    assert not (run / "checkpoints" / "latest").exists()
+
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    (other / "metrics.jsonl").write_text(json.dumps(recorded | {"eval_key": "v1-of-other-weights"}) + "\n")
+
+    ran.clear()
+    run_train(run, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}), resume=True)
+    rows = read_metrics(run)
+    assert ran == [2]  # only iteration 2's eval ran: iteration 0's was on record
+    assert [(r["kind"], r["iteration"]) for r in rows] == [("eval", 0), ("iteration", 1), ("iteration", 2), ("eval", 2)]
+    assert rows[0] == recorded
+
+    ran.clear()
+    run_train(other, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}), resume=True)
+    assert ran == [0, 2] and read_metrics(other)[0]["eval_key"] == recorded["eval_key"]
+
+
 def test_run_directory_is_never_overwritten_silently(tmp_path, tiny_actor_dir):
     run = tmp_path / "run"
     run.mkdir()

@@ -200,6 +200,9 @@ class SftConfig:
 
     split: str = "train"
     games: int | None = None  # walkthroughs, round-robin over task types; None: every game of the split
+    # before the round robin, keep N games per task type spread evenly over its games (None: all): 100
+    # is how ../shared/data/alfworld's 600 train games were drawn, so the same games come from either root
+    spread: int | None = None
     epochs: int = 2
     lr: float = 5e-4
     # 1024 tokens per micro-batch and one micro-batch per step: a walkthrough averages ~740 tokens,
@@ -229,6 +232,12 @@ class TrainConfig:
     logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
     init_adapter: str | None = None  # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0
+    # with init_adapter: first evaluate the base model alone on the held-out tasks (the warm start's prompt), so the
+    # learning curve starts at the base: base -> warm start -> GRPO
+    eval_base: bool = False
+    # keep iteration 0's evals (base model, warm start) in <cache>/evals/, keyed by weights, model, prompt, games,
+    # T_max and sampler settings: a later run of the same ones reads them instead of running them again
+    eval_cache: bool = False
     keep_adapters: int = 2  # adapter versions kept in RUN/adapters (the checkpoint holds its own)
     log_to: str | None = None  # also log to: tensorboard, wandb (comma-separated); metrics.jsonl always
     # colocate: sampler and learner in one process; split: the learner in its own (spawned) process;
@@ -500,6 +509,7 @@ def _check_sft(c: Config) -> Checks:
     return [
         (s.epochs >= 1, f"sft.epochs must be >= 1, got {s.epochs}"),
         (s.games is None or s.games >= 1, f"sft.games must be >= 1, got {s.games}"),
+        (s.spread is None or s.spread >= 1, f"sft.spread must be >= 1, got {s.spread}"),
         (s.lr > 0, f"sft.lr must be > 0, got {s.lr}"),
         (s.token_budget >= 64, f"sft.token_budget must be >= 64, got {s.token_budget}"),
         (s.batch_games >= 1, f"sft.batch_games must be >= 1, got {s.batch_games}"),

@@ -40,7 +40,18 @@ def summary(result: EvalResult, cfg: Config) -> dict:
             "s_per_task": stats.wall_s / max(1, len(trajs)),
         },
         "errors": [{"task_id": t.game.game_id, "error": t.error} for t in trajs if t.error],
+        **({"walkthroughs": walkthrough_outcomes(result)} if cfg.eval.policy == "walkthrough" else {}),
     }
+
+
+def walkthrough_outcomes(result: EvalResult) -> dict:
+    """`--policy walkthrough`: the games whose walkthrough wins (playable: the warm start learns
+    from them) and those whose walkthrough does not, within T_max or at all (agentrl sft skips them)."""
+    lost = [t for t in result.trajectories if not t.won and not t.error]
+    too_long = [t.game.game_id for t in lost if len(t.game.walkthrough) > result.max_steps]
+    return {"won": sum(t.won for t in result.trajectories),
+            "unwinnable": [t.game.game_id for t in lost if len(t.game.walkthrough) <= result.max_steps],
+            "longer_than_t_max": too_long}
 
 
 def prepare_eval(cfg: Config) -> tuple[list, Generator]:

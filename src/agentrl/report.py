@@ -20,7 +20,7 @@ import yaml
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
-from agentrl.stats import eval_text, learning_verdict
+from agentrl.stats import eval_text, learning_verdict, paired, warm_start_verdict
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class Run:
     evals: list[dict]  # "eval" lines of the held-out split, one per iteration number, sorted
     heldout_split: str | None
     warnings: list[str] = field(default_factory=list)
+    base_eval: dict | None = None  # the base model's eval on the same games (train.eval_base), before the warm start
 
     @property
     def name(self) -> str:
@@ -126,8 +127,9 @@ def load_run(path: Path) -> Run:
     splits = [r.get("split") for r in evals]
     if split not in splits and splits:
         split = max(set(splits), key=splits.count)  # the config's split is unknown: the most evaluated one
+    base = [r for r in rows if r.get("kind") == "base_eval" and r.get("split") == split]
     evals = last_per_iteration([r for r in evals if r.get("split") == split])
-    return Run(path, config, iterations, evals, split if evals else None, warnings)
+    return Run(path, config, iterations, evals, split if evals else None, warnings, base[-1] if base else None)
 
 
 # ---------------------------------------------------------------- numbers
@@ -162,6 +164,9 @@ def run_summary(run: Run) -> dict:
         "best_heldout_iteration": best["iteration"] if best else None,
         # first vs last eval on the same games (exact McNemar): did the run move beyond noise?
         "heldout_verdict": learning_verdict(scored),
+        # the learning curve from the base model: base, then each eval (iteration 0: the warm start)
+        "curve": curve(run),
+        "warm_start_verdict": warm_start_verdict(run.base_eval, scored),
         "wall_clock_s": last.get("elapsed_s"),
         "mean_s_per_iteration": {p: mean(r.get(f"{p}_s") for r in run.iterations) for p in PHASES},
         "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),
@@ -181,6 +186,22 @@ def run_summary(run: Run) -> dict:
         "replay_buffer": run.iterations[-1].get("replay_buffer"),
         "warnings": run.warnings,
     }
+
+
+def curve(run: Run) -> list[dict]:
+    """Held-out success from the base model on: (what, success with its interval, the paired
+    difference to the point before, its exact McNemar p) per point."""
+    init = config_value(run.config, "train.init_adapter")
+    points = [("base model", run.base_eval)] if run.base_eval else []
+    points += [(f"iteration {r['iteration']}" + (" (warm start)" if r["iteration"] == 0 and init else ""), r)
+               for r in run.evals if is_number(r.get("success"))]
+    out, before = [], None
+    for name, r in points:
+        step = paired(before["outcomes"], r["outcomes"]) if before and "outcomes" in before and "outcomes" in r else None
+        out.append({"what": name, "heldout": eval_text(r), "success": r["success"],
+                    "change_pts": step["difference_points"] if step else None, "p": step["mcnemar_p"] if step else None})
+        before = r
+    return out
 
 
 def find_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
@@ -252,7 +273,9 @@ def line_figure(runs: list[Run], out: Path, name: str, key: str, ylabel: str, ti
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for run in runs:
         xs, ys = run.series(key, run.evals if evals else None)
-        ax.plot(xs, ys, marker="o" if evals or len(xs) < 30 else None, ms=3, label=label(run))
+        (line,) = ax.plot(xs, ys, marker="o" if evals or len(xs) < 30 else None, ms=3, label=label(run))
+        if evals and run.base_eval and is_number(run.base_eval.get(key)):  # where the curve started: the base model
+            ax.axhline(run.base_eval[key], ls=":", color=line.get_color(), label=f"{run.name}: base model")
     style(ax, ylabel, title)
     if ylim:
         ax.set_ylim(*ylim)
@@ -356,6 +379,7 @@ def success_at(r: dict, which: str) -> str:
 
 RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",
               "train reward", "groups cut", "zero-variance groups", "step-tokens generated", "step-tokens trained"]
+CURVE_HEADER = ["", "held-out success [95% CI] of games", "change", "exact McNemar p"]
 PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "wall-clock change", "groups cut",
                "grad-norm ratio", "held-out Δ", "zero-variance groups (baseline → gated)"]
 
@@ -386,6 +410,11 @@ def tables(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     ["run", "kl_coef", "kl_unit", "per action token (field's unit)", "KL per token", "replay NLL", "replay buffer"],
                     [[r["name"], fmt(r["kl_coef"], ".3g"), str(r["kl_unit"]), fmt(r["kl_coef_field_mean"], ".3g"),
                       fmt(r["kl_mean"], ".3g"), fmt(r["replay_nll_mean"], ".3f"), fmt(r["replay_buffer"], "")] for r in regular]))
+    for r in rep["runs"]:
+        if r.get("curve"):
+            out.append((f"held-out learning curve · {r['name']} (paired with the point before)", CURVE_HEADER,
+                        [[c["what"], c["heldout"], fmt(c["change_pts"], "+.1f", " pts"), fmt(c["p"], ".2g")]
+                         for c in r["curve"]]))
     if rep["pairs"]:
         out.append(("gated vs baseline, same seed (paper Table 5)", PAIR_HEADER, [pair_row(p) for p in rep["pairs"]]))
     return out
@@ -402,9 +431,9 @@ def report_markdown(rep: dict) -> str:
         parts += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         parts += ["| " + " | ".join(row) + " |" for row in rows]
         parts.append("")
-    verdicts = [(r["name"], r.get("heldout_verdict")) for r in rep["runs"] if r.get("heldout_verdict")]
+    verdicts = [(r["name"], v) for r in rep["runs"] for v in (r.get("warm_start_verdict"), r.get("heldout_verdict")) if v]
     if verdicts:
-        parts += ["## held-out success, first vs last eval (paired)", "", *(f"- {n}: {v}" for n, v in verdicts), ""]
+        parts += ["## held-out success, paired: base model vs warm start, first vs last eval", "", *(f"- {n}: {v}" for n, v in verdicts), ""]
     warnings = [w for r in rep["runs"] for w in r["warnings"]]
     if warnings:
         parts += ["## warnings", "", *(f"- {w}" for w in warnings), ""]

@@ -102,8 +102,13 @@ def learning_verdict(evals: list[dict]) -> str | None:
     if len(evals) < 2 or "outcomes" not in evals[0] or "outcomes" not in evals[-1]:
         return None
     first, last = evals[0], evals[-1]
-    r = paired(first["outcomes"], last["outcomes"])
-    head = (f"held-out success, iteration {first['iteration']} -> {last['iteration']}: {100 * r['success_a']:.1f}% -> "
+    return paired_line(first, last, f"iteration {first['iteration']}", str(last['iteration']))
+
+
+def paired_line(a: dict, b: dict, name_a: str, name_b: str) -> str:
+    """One line on two eval rows of the same games: success, the paired difference, exact McNemar."""
+    r = paired(a["outcomes"], b["outcomes"])
+    head = (f"held-out success, {name_a} -> {name_b}: {100 * r['success_a']:.1f}% -> "
             f"{100 * r['success_b']:.1f}% on the same {r['games']} games ({r['difference_points']:+.1f} points; "
             f"{len(r['won_only_by_b'])} games newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
     if r["mcnemar_p"] < 0.05:
@@ -111,4 +116,13 @@ def learning_verdict(evals: list[dict]) -> str | None:
     return head + "not beyond noise"
 
 
-__all__ = ["bootstrap_mean", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "rate_text", "wilson"]
+def warm_start_verdict(base: dict | None, evals: list[dict]) -> str | None:
+    """The warm start's gain: the base model's eval (a `base_eval` row) against iteration 0's, paired."""
+    first = next((r for r in sorted(evals, key=lambda r: r["iteration"]) if r["iteration"] == 0), None)
+    if base is None or first is None or "outcomes" not in base or "outcomes" not in first:
+        return None
+    return paired_line(base, first, "base model", "warm start (iteration 0)")
+
+
+__all__ = ["bootstrap_mean", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "paired_line", "rate_text",
+           "warm_start_verdict", "wilson"]

@@ -14,7 +14,7 @@ from agentrl.analysis.summary import signal_choice
 from agentrl.config import TASK_TYPES
 from agentrl.report import transposed
 from agentrl.specs import _SHORT
-from agentrl.stats import eval_text, learning_verdict, wilson
+from agentrl.stats import eval_text, learning_verdict, warm_start_verdict, wilson
 from agentrl.train.totals import run_totals
 
 console = Console()
@@ -123,6 +123,16 @@ def print_summary(s: dict) -> None:
     )
     for e in s["errors"]:
         err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")
+    if s.get("walkthroughs"):
+        w = s["walkthroughs"]
+        console.print(f"playable: {w['won']} of {s['overall']['episodes']} walkthroughs win; {len(w['unwinnable'])} do not "
+                      f"(agentrl sft skips them, counted)"
+                      + (f"; {len(w['longer_than_t_max'])} are longer than T_max {s['max_steps']} (raise --max-steps)"
+                         if w["longer_than_t_max"] else ""))
+        for g in w["unwinnable"][:5]:
+            console.print(f"  does not win: {escape(g)}")
+        if len(w["unwinnable"]) > 5:
+            console.print(f"  ... and {len(w['unwinnable']) - 5} more")
     if s["overall"].get("env_errors"):
         err.print(f"[yellow]{s['overall']['env_errors']} episode(s) the env could not run are left out of the "
                   f"success rate and its interval ({s['overall']['episodes']} played)")
@@ -180,7 +190,10 @@ def print_curve(rows: list[dict], where) -> None:
     """The learning curve of a run (its metrics rows): one row per iteration, held-out success where evaluated."""
     eval_rows = {r["iteration"]: r for r in rows if r["kind"] == "eval"}
     evals = {i: eval_text(r) for i, r in eval_rows.items()}
+    base = next((r for r in reversed(rows) if r["kind"] == "base_eval"), None)
     t = table(f"learning curve · {where}", ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out [95% CI]"))
+    if base is not None:
+        t.add_row("base", "", "", "", "", eval_text(base))
     if 0 in evals:
         t.add_row("0", "", "", "", "", evals[0])
     for r in rows:
@@ -190,9 +203,9 @@ def print_curve(rows: list[dict], where) -> None:
                       f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", evals.get(r["iteration"], ""))
     console.print(t)
     print_stage_totals([r for r in rows if r["kind"] == "iteration"])
-    line = learning_verdict(list(eval_rows.values()))
-    if line:
-        console.print(f"[bold]{line}[/]")
+    for line in (warm_start_verdict(base, list(eval_rows.values())), learning_verdict(list(eval_rows.values()))):
+        if line:
+            console.print(f"[bold]{line}[/]")
 
 
 def print_stage_totals(rows: list[dict]) -> None:
@@ -220,10 +233,12 @@ def print_stage_totals(rows: list[dict]) -> None:
 
 def metrics_line(row: dict, iterations: int) -> str:
     """One line per metrics row: what a user watches while the run goes."""
-    if row["kind"] == "eval":
+    if row["kind"] in ("eval", "base_eval"):
         types = "  ".join(f"{SHORT_TYPE.get(k, k)} {100 * v['success']:.0f}%" for k, v in row["by_task_type"].items())
-        return (f"[bold cyan]eval[/] it {row['iteration']:>3}  held-out success [bold]{eval_text(row)}[/] "
-                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {row['eval_s']:.1f}s")
+        what = "base model" if row["kind"] == "base_eval" else f"it {row['iteration']:>3}"
+        took = "cached" if row.get("cached") else f"{row['eval_s']:.1f}s"
+        return (f"[bold cyan]eval[/] {what}  held-out success [bold]{eval_text(row)}[/] "
+                f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {took}")
 
     return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
@@ -280,6 +295,8 @@ def sft_epoch_line(row: dict) -> str:
 def sft_summary_lines(summary: dict, out) -> list[str]:
     s = summary["sft"]
     what = f"{s['examples']} walkthroughs" if "from" not in s else f"the {s['won']} won of {s['trajectories']} rollouts"
+    if s.get("skipped") and "from" not in s:
+        what += f" ({s['skipped']} of {s['games']} skipped: no winning walkthrough)"
     return [f"wrote {out}: LoRA r{summary['lora']['r']} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
             f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}",
@@ -369,8 +386,9 @@ def print_checks(checks) -> None:
         c.status == "missing" and not c.what.startswith("vLLM") for c in checks) else f"missing: {', '.join(missing)}")
 
 
-def print_games(root, splits, scans: dict) -> None:
-    """Games per split (columns) and task type (rows) of `agentrl data check`; corrupt files, missing splits."""
+def print_games(root, splits, scans: dict, playable: dict | None = None) -> None:
+    """Games per split (columns) and task type (rows) of `agentrl data check`; corrupt files, missing
+    splits; per split, what the replay cache knows of its walkthroughs (won, not won, not replayed)."""
     t = table(f"ALFWorld games in {root}", ("task type", *splits), left=("task type",))
     for kind in TASK_TYPES + ("all",):
         cells = ["missing" if s not in scans else str(len(scans[s].games) if kind == "all" else
@@ -382,18 +400,28 @@ def print_games(root, splits, scans: dict) -> None:
             err.print(f"[yellow]corrupt ({s}): {path}: {why}")
         if scan.unsolvable:
             console.print(f"{s}: {len(scan.unsolvable)} unsolvable games skipped")
+    for s, (won, unwinnable, unknown) in (playable or {}).items():
+        console.print(f"{s}: {won} playable (their walkthrough wins), {unwinnable} whose walkthrough does not win "
+                      f"(agentrl sft skips them), {unknown} not replayed yet"
+                      + (f" (`agentrl data replay --split {s}` replays them)" if unknown else ""))
     if len(scans) < len(splits):
         err.print(f"[yellow]missing splits: {', '.join(s for s in splits if s not in scans)}")
 
 
-def replay_lines(split: str, stats, workers: int | None, where, failed: list[tuple[str, str]]) -> list[str]:
+def replay_lines(split: str, stats, workers: int | None, where, failed: list[tuple[str, str]],
+                 unwinnable: list[str] = ()) -> list[str]:
     """`agentrl data replay`: what was replayed, how fast, what won; the failures by game (a few)."""
     how = ("no env opened" if workers is None else "in this process" if workers == 0
            else f"{workers} env worker{'s' if workers != 1 else ''}")
     lines = [f"{stats.games} {split} walkthroughs: {stats.hits} from the cache, {stats.replayed} replayed ({how}) "
              f"in {stats.seconds:.1f}s; {stats.won} won, {stats.unwinnable} unwinnable, {stats.failed} failed"
              + (f"; {stats.corrupt} damaged cache files rebuilt" if stats.corrupt else ""),
+             f"playable: {stats.won} of {stats.games}" + (f"; {stats.unwinnable} whose walkthrough does not win are "
+                                                          "skipped by agentrl sft" if stats.unwinnable else ""),
              f"replay cache: {where}"]
+    lines += [f"  does not win {escape(g)}" for g in unwinnable[:5]]
+    if len(unwinnable) > 5:
+        lines.append(f"  ... and {len(unwinnable) - 5} more")
     lines += [f"  failed {escape(g)}: {escape(why)}" for g, why in failed[:5]]
     if len(failed) > 5:
         lines.append(f"  ... and {len(failed) - 5} more")

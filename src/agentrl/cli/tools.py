@@ -18,8 +18,9 @@ from agentrl.compare import compare, verdict
 from agentrl.config import SPLITS, load_config
 from agentrl.doctor import run_checks
 from agentrl.env import EnvsOnDemand, find_games
-from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_dir
-from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, export_replays, import_replays, replay_walkthroughs
+from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_dir, spread
+from agentrl.env.replay import (REPLAY_DIRNAME, Replay, ReplayCache, export_replays, import_replays, replay_key,
+                                replay_walkthroughs)
 from agentrl.errors import UserError
 from agentrl.gpucheck import run_gpu_check
 from agentrl.models import cache_root, prepare_default_model, resolve_model
@@ -58,8 +59,9 @@ def report_cmd(
     rep = build_report(runs, out)
     print_report_tables(tables(rep))
     for r in rep["runs"]:
-        if r.get("heldout_verdict"):
-            console.print(f"[bold]{r['name']}[/]: {r['heldout_verdict']}")
+        for line in (r.get("warm_start_verdict"), r.get("heldout_verdict")):
+            if line:
+                console.print(f"[bold]{r['name']}[/]: {line}")
     if len(runs) > 1 and not rep["pairs"]:
         console.print("no baseline/gated pair (same seed, one with gate off): no Table 5")
     console.print(f"wrote report.md, report.json and {len(rep['figures'])} figures to {out}")
@@ -147,7 +149,17 @@ def data_check(data: DataOpt = None) -> None:
     present = [s for s in SPLITS if (root / "json_2.1.1" / s).is_dir()]
     if not present:
         split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
-    print_games(root, SPLITS, {s: scan_split(root, s) for s in present})
+    scans = {s: scan_split(root, s) for s in present}
+    print_games(root, SPLITS, scans, {s: replay_counts(scan.games) for s, scan in scans.items()})
+
+
+def replay_counts(games) -> tuple[int, int, int]:
+    """(won, not won, not replayed) of `games`' walkthroughs, as the replay cache knows them
+    (`agentrl data replay` fills it; keyed by game file and the default fuzzy threshold)."""
+    cache, threshold = ReplayCache(cache_root() / REPLAY_DIRNAME), load_config(None).env.fuzzy_threshold
+    found = [cache.get(replay_key(g, threshold)) for g in games]
+    known = [r for r in found if isinstance(r, Replay)]
+    return sum(r.won for r in known), sum(not r.won for r in known), len(games) - len(known)
 
 
 @data_app.command("replay")
@@ -167,7 +179,7 @@ def data_replay(
     cache = ReplayCache(cache_root() / REPLAY_DIRNAME)
     if import_file is not None:
         console.print(f"imported {import_replays(cache, import_file)} replays from {import_file}")
-    chosen = round_robin(find_games(cfg.env.kind, split, cfg.data.root), games)
+    chosen = round_robin(spread(find_games(cfg.env.kind, split, cfg.data.root), cfg.sft.spread), games)
     envs = EnvsOnDemand(cfg)  # started only if a game is not in the cache
     try:
         with progress_bar() as bar:
@@ -177,7 +189,8 @@ def data_replay(
             workers = envs.opened.workers if envs.opened is not None else None
     finally:
         envs.shutdown()
-    for line in replay_lines(split, stats, workers, cache.root, [(g, r.error) for g, r in records.items() if r.error]):
+    for line in replay_lines(split, stats, workers, cache.root, [(g, r.error) for g, r in records.items() if r.error],
+                             [g for g, r in records.items() if r.error is None and not r.won]):
         console.print(line)
     if export is not None:
         n = export_replays(cache, chosen, cfg.env.fuzzy_threshold, export)

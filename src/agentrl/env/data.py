@@ -110,6 +110,21 @@ def round_robin(games: list[Game], n: int | None) -> list[Game]:
     return out
 
 
+def spread(games: list[Game], per_type: int | None) -> list[Game]:
+    """At most `per_type` games of each task type, spread evenly over the type's games in their
+    order (game floor(i n / per_type) of its n, i = 0 .. per_type - 1); None: all. This is how the
+    600-game train set of ../shared/data/alfworld was drawn from the 3,553 (100 per type), so
+    `sft.spread 100` picks the same games from either root (docs/warm-start.md)."""
+    if per_type is None:
+        return list(games)
+    out = []
+    for t in dict.fromkeys(g.task_type for g in games):
+        of_type = [g for g in games if g.task_type == t]
+        n = len(of_type)
+        out += of_type if n <= per_type else [of_type[i * n // per_type] for i in range(per_type)]
+    return out
+
+
 class NotSolvable(Exception):
     pass
 

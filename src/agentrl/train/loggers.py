@@ -30,8 +30,8 @@ def parse_log_to(spec: str | None) -> list[str]:
 
 
 def scalars(row: dict) -> dict[str, float]:
-    """The numeric fields of a metrics row, flattened by path; eval rows under eval/."""
-    prefix = "eval/" if row.get("kind") == "eval" else ""
+    """The numeric fields of a metrics row, flattened by path; eval rows under eval/ (the base model's: base_eval/)."""
+    prefix = {"eval": "eval/", "base_eval": "base_eval/"}.get(row.get("kind"), "")
     out: dict[str, float] = {}
 
     def walk(value, path: str) -> None:

@@ -46,11 +46,10 @@ from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
 from agentrl.select.selection import Selection
 from agentrl.stats import wilson
-from agentrl.train import checkpoint
+from agentrl.train import checkpoint, heldout
 from agentrl.train.advantage import Advantage, advantage_mass, batch_advantages
 from agentrl.train.loggers import Loggers
 from agentrl.train.remote import LearnerDied, make_learner, resolve_layout
-from agentrl.weights import WeightsRef
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +156,16 @@ class Metrics:
         if self.loggers is not None:
             self.loggers.close()
 
-    def truncate_after(self, iteration: int) -> None:
-        """Keep the complete lines of iterations <= `iteration` (a torn or later line is dropped)."""
+    def truncate_after(self, iteration: int, keep=lambda row: False) -> list[dict]:
+        """Keep the complete lines of iterations <= `iteration` and those `keep` accepts (a torn or
+        other line is dropped); return the kept rows."""
         rows = read_jsonl(self.path) if self.path.is_file() else []  # each line as Metrics.write wrote it
-        kept = [json.dumps(row) + "\n" for row in rows if isinstance(row, dict) and row.get("iteration", iteration + 1) <= iteration]
-        atomic_write_text(self.path, "".join(kept))
+        kept = [row for row in rows if isinstance(row, dict) and (row.get("iteration", iteration + 1) <= iteration or keep(row))]
+        atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in kept))
         if self.log_to and self.loggers is None:
             # from a checkpoint at `iteration` the loggers continue after it; else the run starts over
             self.loggers = Loggers(self.log_to, self.path.parent, self.cfg, start_iteration=max(0, iteration + 1))
+        return kept
 
 
 # ---------------------------------------------------------------- eval
@@ -258,6 +259,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
     advantage = Advantage.of(cfg)  # --advantage with advantage.* and reward.*
     state = checkpoint.TrainState()
     last = checkpoint.latest(run) if resume else None
+    row: dict = {}
     if resume:
         checkpoint.clean_partial(run)  # what a kill left half-written
     if last is not None:
@@ -265,17 +267,15 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         tasks.restore(state.task_rng)
         selection.load_state_dict(state.select)
         generator.load(weights)
-    elif cfg.train.init_adapter:  # warm start (`agentrl sft`): the sampler serves it as version 0
-        generator.load(WeightsRef(cfg.train.init_adapter, 0))
-    metrics.truncate_after(state.iteration if last is not None else -1)  # no checkpoint: start over
-    E, row = cfg.train.eval_every, {}
+        metrics.truncate_after(state.iteration)
+    else:  # no checkpoint: start over, keeping iteration 0's evals on record for the same weights and games
+        recorded = heldout.on_record(cfg, tasks.held_out) if resume else {}
+        kept = metrics.truncate_after(-1, keep=heldout.keeps(recorded))
+        # the base model's eval (train.eval_base), then the warm start (`agentrl sft`) served as version 0 and its eval
+        row, spent = heldout.iteration0(cfg, generator, tasks.held_out, metrics, hooks, evaluate, kept)
+        state.elapsed_s += spent
+    E = cfg.train.eval_every
     eval_steps = cfg.t_max("train_eval")
-    if state.iteration == 0 and tasks.held_out:  # iteration 0: the base policy, before any update
-        hooks.phase("eval", eval_steps)
-        row = evaluate(cfg, generator, tasks.held_out, 0, state.adapter_version, hooks.step)
-        state.elapsed_s += row["eval_s"]
-        metrics.append(row)
-        hooks.done(row)
 
     for it in range(state.iteration + 1, cfg.train.iterations + 1):
         t0 = time.perf_counter()

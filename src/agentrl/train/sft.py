@@ -33,7 +33,7 @@ import torch
 
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
-from agentrl.env.data import round_robin
+from agentrl.env.data import round_robin, spread
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
 from agentrl.errors import UserError
@@ -121,7 +121,7 @@ class ExpertData:
 
 def select_games(cfg: Config, split: str, n: int | None):
     games = find_games(cfg.env.kind, split, cfg.data.root)
-    chosen = round_robin(games, n)
+    chosen = round_robin(spread(games, cfg.sft.spread), n)
     if not chosen:
         raise UserError(f"no {split} games to learn from (data: {cfg.data.root or '$ALFWORLD_DATA'}); "
                         "check the path, or run `agentrl data check`")
@@ -314,7 +314,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
-        "sft": {**origin, "examples": len(data.examples), "epochs": s.epochs, "lr": s.lr,
+        "sft": {**origin, "examples": len(data.examples), "skipped": len(data.skipped), "epochs": s.epochs, "lr": s.lr,
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
