@@ -65,7 +65,7 @@ def test_lora_params_counts_the_adapters_trainable_parameters(tiny_model):
 
 
 def test_the_memory_estimate_adds_up_and_the_kv_cache_takes_turns_with_the_learner():
-    m = memory.LearnerMemory(weights=10, lora_state=2, activations=30, logits=5, kv_cache=20, rows=2, row_tokens=100)
+    m = memory.LearnerMemory(weights=10, train_state=2, activations=30, logits=5, kv_cache=20, rows=2, row_tokens=100)
     assert m.total == 10 + 2 + 35
     m.kv_cache = 50
     assert m.total == 10 + 2 + 50

@@ -155,7 +155,7 @@ AUTOCAST = ("auto", "bf16", "off")
 class LearnerConfig:
     """PEFT LoRA + AdamW (DESIGN.md Table 6). Tier 2: r8/a16 on q,v; tier 3: r16/a32 on q,k,v,o + MLP."""
 
-    lora_r: int = 16
+    lora_r: int = 16  # 0: full fine-tuning (every weight trains, fp32 master weights; lora_* and target_modules unused)
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
@@ -231,7 +231,9 @@ class TrainConfig:
     eval_max_steps: int | None = None  # None: rollout T_max
     logprob_gap_warn: float = 0.1  # warn when mean |sampler - learner| action-token log-prob exceeds this
     max_bad_updates: int = 3  # stop after this many non-finite losses/gradients in a row
-    init_adapter: str | None = None  # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0
+    # a LoRA adapter (e.g. from `agentrl sft`) the learner starts from; served as v0. With learner.lora_r 0
+    # also a full model directory (`agentrl sft` with lora_r 0); a LoRA one is then merged into the weights
+    init_adapter: str | None = None
     # with init_adapter: first evaluate the base model alone on the held-out tasks (the warm start's prompt), so the
     # learning curve starts at the base: base -> warm start -> GRPO
     eval_base: bool = False
@@ -537,7 +539,10 @@ def _check_rollout(c: Config) -> Checks:
 def _check_learner(c: Config) -> Checks:
     lc = c.learner
     return [
-        (lc.lora_r >= 1, f"learner.lora_r must be >= 1, got {lc.lora_r}"),
+        (lc.lora_r >= 0, f"learner.lora_r must be >= 0 (0: full fine-tuning), got {lc.lora_r}"),
+        (lc.lora_r > 0 or c.sampling.backend == "hf",
+         "learner.lora_r 0 (full fine-tuning) needs --sampler hf: the vllm sampler serves LoRA adapters and would "
+         "reload every weight at each swap"),
         (lc.lora_alpha > 0, f"learner.lora_alpha must be > 0, got {lc.lora_alpha}"),
         (0 <= lc.lora_dropout < 1, f"learner.lora_dropout must be in [0, 1), got {lc.lora_dropout}"),
         (bool(lc.target_modules), "learner.target_modules must name at least one module"),

@@ -245,3 +245,102 @@ def check_lora_adapter(adapter: str | os.PathLike, model_name: str, trust_remote
         got = shape[1] if ".lora_A." in key else shape[0]
         if want is not None and want != got:
             raise UserError(f"adapter {p} does not fit {model_name!r}: {path} has {want} features, the adapter {got}")
+
+
+# ---------------------------------------------------------------- full weights (learner.lora_r 0)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+
+
+def save_full_weights(model, path: str | os.PathLike) -> None:
+    """Every weight of `model` into `path` as transformers writes a model (config.json,
+    model.safetensors, in the weights' own dtype), with the base model's tokenizer files beside
+    them: the directory is an ordinary model directory (`--model DIR` loads it too)."""
+    model.save_pretrained(path, safe_serialization=True)
+    source = Path(getattr(model, "name_or_path", "") or "")
+    if str(source) and source.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, Path(path) / name)
+
+
+def full_weights(path: str | os.PathLike) -> dict:
+    """The tensors of a full model directory (model.safetensors, or the shards its index names), on the host."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+        tensors: dict = {}
+        for name in files:
+            tensors.update(load_file(str(p / name)))
+    except Exception as e:  # noqa: BLE001 - a damaged or truncated file: one line
+        raise UserError(f"cannot read the weights in {p}: {_one_line(e)}") from None
+    return tensors
+
+
+def check_full_weights(path: str | os.PathLike, model_name: str, trust_remote_code: bool = False) -> None:
+    """Refuse, with one line, a full model directory whose weights are not this base model's: every
+    parameter of the model (built on the meta device) must be in its files with the same shape.
+    Reads the safetensors headers only."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+        shapes = {}
+        for name in files:
+            with safe_open(str(p / name), "pt") as f:
+                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        model = meta_model(model_name, trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - one line for the user
+        raise UserError(f"cannot check weights {p} against {model_name!r}: {_one_line(e)}") from None
+    for name, param in model.named_parameters():
+        if name not in shapes:
+            raise UserError(f"weights {p} do not fit {model_name!r}: they have no {name}")
+        if shapes[name] != tuple(param.shape):
+            raise UserError(f"weights {p} do not fit {model_name!r}: {name} is {shapes[name]} there, {tuple(param.shape)} here")
+
+
+def meta_model(model_name: str, trust_remote_code: bool):
+    """The model built from its config on the meta device: names and shapes, no memory."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model(model_name), trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # on the meta device the tied weights are two until tied again
+    return model
+
+
+def copy_full_weights(model, path: str | os.PathLike, named: dict | None = None) -> None:
+    """A full model directory's weights copied into `model`'s parameters in place (`copy_`, cast
+    to each parameter's dtype and device): every parameter keeps its storage (a captured decode
+    step replays the new weights); tied weights are one parameter under several names, written
+    once. `named`: the parameters by the names a plain model's save_pretrained gives them (default:
+    `model`'s own). Every name and shape is checked before the first copy, so a directory that
+    does not fit changes nothing."""
+    import torch
+
+    tensors = full_weights(path)
+    named = named if named is not None else dict(model.named_parameters(remove_duplicate=False))
+    params: dict[int, tuple] = {}  # one entry per parameter: (parameter, the file's name for it)
+    for name, param in named.items():
+        kept = params.get(id(param))
+        if kept is None or (kept[1] not in tensors and name in tensors):
+            params[id(param)] = (param, name)
+    for param, name in params.values():
+        if name not in tensors:
+            raise UserError(f"weights {path} do not fit the model: they have no {name}")
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise UserError(f"weights {path} do not fit the model: {name} is {tuple(tensors[name].shape)} there, "
+                            f"{tuple(param.shape)} here")
+    extra = sorted(set(tensors) - set(named))
+    if extra:
+        raise UserError(f"weights {path} do not fit the model: it has no {extra[0]}")
+    with torch.no_grad():
+        for param, name in params.values():
+            param.copy_(tensors[name])

@@ -2,8 +2,9 @@
 
 The learner hands it out after an update (`save`), the loop hands it to the generator
 (`load`), checkpoints and the learner processes pass it across their boundaries. Today it
-names a PEFT LoRA adapter directory and its version; issue 48's full fine-tuning adds
-`kind="full"` (a model directory) without changing who passes what to whom.
+names a PEFT LoRA adapter directory (`kind="lora"`) or, under full fine-tuning (learner.lora_r
+0), a model directory holding every weight (`kind="full"`: config.json + model.safetensors, as
+transformers' `save_pretrained` writes it), and its version.
 
 Contract: the directory a ref names is complete when the ref exists (written atomically) and
 is never changed afterwards; a sampler that loads a ref serves exactly those weights from its
@@ -14,13 +15,31 @@ with `version`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-KINDS = ("lora",)  # issue 48: "full"
+from agentrl.errors import UserError
+
+KINDS = ("lora", "full")
+FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
+
+
+def weights_kind(path) -> str:
+    """What a weights directory holds, read from its files: adapter_config.json = a LoRA adapter;
+    config.json + model.safetensors (or a sharded index) = every weight of the model ("full")."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"weights directory not found: {p} (a LoRA adapter or a full model directory)")
+    if (p / "adapter_config.json").is_file():
+        return "lora"
+    if (p / "config.json").is_file() and any((p / f).is_file() for f in FULL_WEIGHTS):
+        return "full"
+    raise UserError(f"{p} is not a PEFT adapter (no adapter_config.json) nor a full model directory "
+                    "(config.json + model.safetensors)")
 
 
 @dataclass(frozen=True)
 class WeightsRef:
-    path: str  # the adapter directory (PEFT format)
+    path: str  # the adapter directory (PEFT format), or the model directory (kind "full")
     version: int = 0  # 0: the warm start or the base model; n: after the learner's n-th update
     kind: str = "lora"
 
@@ -28,3 +47,9 @@ class WeightsRef:
         if self.kind not in KINDS:
             raise ValueError(f"unknown weights kind {self.kind!r} (known: {', '.join(KINDS)})")
         object.__setattr__(self, "path", str(self.path))  # a Path is accepted; the record stays plain
+
+    @classmethod
+    def of(cls, path, version: int = 0) -> WeightsRef:
+        """The ref of a directory whose kind is read from its files (`weights_kind`): a warm start or
+        `--adapter DIR` may be either."""
+        return cls(path, version, weights_kind(path))

@@ -297,7 +297,8 @@ def sft_summary_lines(summary: dict, out) -> list[str]:
     what = f"{s['examples']} walkthroughs" if "from" not in s else f"the {s['won']} won of {s['trajectories']} rollouts"
     if s.get("skipped") and "from" not in s:
         what += f" ({s['skipped']} of {s['games']} skipped: no winning walkthrough)"
-    return [f"wrote {out}: LoRA r{summary['lora']['r']} on {what} ({s['reply_tokens']} reply tokens), "
+    weights = f"LoRA r{summary['lora']['r']}" if summary["lora"]["r"] else "every weight (full fine-tuning)"
+    return [f"wrote {out}: {weights} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
             f"{summary['heldout_nll']['before'] or float('nan'):.3f} -> {summary['heldout_nll']['after'] or float('nan'):.3f}",
             f"next: agentrl eval --adapter {out}   or   agentrl train --init-adapter {out}"]

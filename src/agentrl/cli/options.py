@@ -52,7 +52,7 @@ OptInt, OptFloat, OptStr, OptBool = Optional[int], Optional[float], Optional[str
 
 ConfigOpt = opt(Optional[Path], None, "YAML config (see configs/).", "--config", "-c")
 ModelOpt = opt(OptStr, "model.name", "'default', a local HF model directory, or a hub id.")
-AdapterOpt = opt(OptStr, "model.adapter", "PEFT adapter directory to apply.")
+AdapterOpt = opt(OptStr, "model.adapter", "PEFT adapter directory to apply, or full weights (a model directory from learner.lora_r 0).")
 MaxNewTokensOpt = opt(OptInt, "sampling.max_new_tokens", "Token budget of one reply.")
 SamplerOpt = opt(OptStr, "sampling.backend", "Sampler backend: hf (transformers, CPU or GPU) | vllm (GPU, LoRA hot-swap).")
 ActionSpaceOpt = opt(OptStr, "sampling.action_space",

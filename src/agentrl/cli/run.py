@@ -193,7 +193,7 @@ def train_cmd(
     groups_per_step: opt(int, None, "Tier 2: groups sampled per step.") = 4,
     positions: opt(int, None, "Tier 2: action positions sampled per trajectory.") = 8,
     ab: opt(bool, None, "Tier 2: baseline and gated arms, same groups and seed (Table 4).", "--ab") = False,
-    init_adapter: opt(OptStr, "train.init_adapter", "Start from this LoRA adapter (e.g. `agentrl sft --out DIR`); the sampler serves it as v0.") = None,
+    init_adapter: opt(OptStr, "train.init_adapter", "Start from this LoRA adapter, or with learner.lora_r 0 full weights (e.g. `agentrl sft --out DIR`); the sampler serves it as v0.") = None,
 ) -> None:
     """GRPO on ALFWorld with the gate (Tier 3): rollout, advantages, update, hot-swap, held-out eval.
 

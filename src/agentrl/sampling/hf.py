@@ -21,6 +21,9 @@ log-prob of every generated token, and KV reuse across the turns of a trajectory
   adapter: 13.2k vs 7.1k aten calls, nested ones included), and dispatch is what bounds the
   loop on a GPU. A hot-swap copies the saved base weights back before the next merge, so swaps
   never accumulate rounding.
+- Full fine-tuning's weights (`WeightsRef` kind "full") are copied into the resident parameters
+  in place, cast to the sampler's dtype: every parameter keeps its storage, so the KV store and a
+  captured decode step stay valid, and nothing is reallocated.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
-from agentrl.models import load_model, quiet_peft
+from agentrl.models import copy_full_weights, load_model, quiet_peft
 from agentrl.sampling.attention import check_backend, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.budget import kv_budget_bytes
@@ -79,6 +82,7 @@ class HFSampler:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adapter_version: int | None = None
+        self.serves_full = False  # the resident weights were replaced by a full version (kind "full")
         self.cache_kwarg = cache_kwarg(model)  # read once: the forward's signature does not change with an adapter
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
         self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
@@ -95,7 +99,7 @@ class HFSampler:
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
         self._anonymous = 0
         if adapter:
-            self.load(WeightsRef(adapter, 0))
+            self.load(WeightsRef.of(adapter, 0))  # a LoRA adapter or a full model directory
 
     def sleep(self) -> None:
         """Nothing to give back: the model shares its device with the learner as it is."""
@@ -120,8 +124,14 @@ class HFSampler:
         return torch.tensor(sorted(self.stop_ids), device=self.device)
 
     def load(self, weights: WeightsRef) -> None:
-        """Serve the PEFT adapter `weights` names, merged into the resident base model."""
+        """Serve the PEFT adapter `weights` names, merged into the resident base model (kind "full":
+        the weights copied into the resident model in place, `_load_full`)."""
         p, version = Path(weights.path), weights.version
+        if weights.kind == "full":
+            return self._load_full(p, version)
+        if self.serves_full:
+            raise UserError(f"the sampler serves full weights (v{self.adapter_version}); adapter {p} applies to the base "
+                            "model, which is no longer resident: start a new sampler for it")
         if not (p / "adapter_config.json").is_file():
             raise UserError(f"adapter directory {p} has no adapter_config.json (not a PEFT adapter)")
         name = f"v{version}"
@@ -146,6 +156,27 @@ class HFSampler:
             raise UserError(f"adapter {p} does not fit the base model: {first}") from None
         self._merge()
         self.model.eval()
+        self.adapter_version = version
+        self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
+
+    def _load_full(self, p: Path, version: int) -> None:
+        """Serve a full model directory: an adapter in use is restored away (its base weights copied
+        back), every parameter takes the saved tensor in place, then PEFT's layers are unloaded (the
+        base modules keep their parameters). A directory that does not fit changes nothing."""
+        peft = isinstance(self.model, PeftModel)
+        self._unmerge()
+        try:
+            copy_full_weights(self.model, p, _plain_names(self.model) if peft else None)
+        except UserError:
+            self._merge()  # the previous weights stay, as they were served
+            raise
+        if peft:
+            self.model = self.model.unload()
+            self._base_weights = {}
+            if self.static:
+                self.static.forget()  # a new model object: steps are rebuilt around it (once)
+        self.model.eval()
+        self.serves_full = True
         self.adapter_version = version
         self.store.release(list(self.store.slot_of))  # caches computed with the old weights are stale
 
@@ -344,6 +375,12 @@ class HFSampler:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=qpos, use_cache=True, logits_to_keep=1,
                          **{self.cache_kwarg: SlotView(self.store.storage, meta)})
         return out.logits[:, -1].float()
+
+
+def _plain_names(model: PeftModel) -> dict:
+    """A PEFT-wrapped model's base parameters by the names the plain model gives them (LoRA's own left out)."""
+    return {n.removeprefix("base_model.model.").replace(".base_layer.", "."): p
+            for n, p in model.named_parameters(remove_duplicate=False) if ".lora_" not in n}
 
 
 class _Anonymous:

@@ -90,7 +90,7 @@ class VLLMSampler:
         self._lora = None  # the LoRARequest every generate call uses (None: the base model)
         self._next_lora_id = 1  # vLLM LoRA ids must be > 0; every load gets a fresh one
         if adapter:
-            self.load(WeightsRef(adapter, 0))
+            self.load(WeightsRef.of(adapter, 0))
 
     @property
     def model(self) -> None:
@@ -212,11 +212,15 @@ class VLLMSampler:
         """Serve the PEFT LoRA adapter `weights` names from now on. The base model stays resident; the
         adapter gets a new LoRA name and id, is loaded into the engine now (so a bad adapter fails
         here, and `swap_s` measures the load), is checked to be served, and the previous adapter
-        is removed."""
+        is removed. Full weights (kind "full") are refused: vLLM would have to reload every weight
+        (docs/training.md#full-fine-tuning-learnerlora_r-0)."""
+        p, version = Path(weights.path), weights.version
+        if weights.kind == "full":
+            raise UserError(f"the vllm sampler serves LoRA adapters; {p} holds every weight (full fine-tuning): "
+                            f"serve it as the model (--model {p}) or with --sampler hf")
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
-        p, version = Path(weights.path), weights.version
         self._check_adapter(p)
         self._wake()
         lora_id = self._next_lora_id

@@ -40,7 +40,10 @@ def weights_id(adapter: str | None) -> str:
     if not adapter:
         return "base"
     h = hashlib.sha256()
-    _files_digest(h, [Path(adapter) / "adapter_config.json", Path(adapter) / "adapter_model.safetensors"])
+    files = ["adapter_config.json", "adapter_model.safetensors"]
+    if not (Path(adapter) / files[0]).is_file():  # full fine-tuning's weights (learner.lora_r 0): every weight's bytes
+        files = ["config.json", "model.safetensors", "model.safetensors.index.json"]
+    _files_digest(h, [Path(adapter) / f for f in files])
     return f"adapter-{h.hexdigest()[:20]}"
 
 
@@ -114,10 +117,10 @@ def iteration0(cfg: Config, generator, games, metrics, hooks, evaluate, kept: li
     cache = EvalCache(cache_root() / EVALS_DIRNAME) if cfg.train.eval_cache else None
     row, spent, plan = {}, 0.0, planned(cfg, games)
     if not plan and cfg.train.init_adapter:
-        generator.load(WeightsRef(cfg.train.init_adapter, 0))
+        generator.load(WeightsRef.of(cfg.train.init_adapter, 0))  # a LoRA adapter or full weights
     for kind, weights in plan:
         if kind == "eval" and cfg.train.init_adapter:  # the base model's eval is over: serve the warm start
-            generator.load(WeightsRef(cfg.train.init_adapter, 0))
+            generator.load(WeightsRef.of(cfg.train.init_adapter, 0))  # a LoRA adapter or full weights
         key = eval_key(cfg, games, weights)
         row = by_kind.get(kind)
         if row is None:

@@ -1,11 +1,13 @@
-"""The learner in this process: a PEFT LoRA policy, AdamW, one GRPO update per call, versioned
-weights (`LocalLearner`, one implementation of `handoff.Learner`; `build_learner` makes it).
+"""The learner in this process: a PEFT LoRA policy (or, with learner.lora_r 0, every weight of
+the model), AdamW, one GRPO update per call, versioned weights (`LocalLearner`, one
+implementation of `handoff.Learner`; `build_learner` makes it).
 
 Each update trains on the exact token ids of the trajectories (teacher-forced, action-masked)
-and then saves the adapter as a standard PEFT directory (safetensors), `adapters/v{n}`, written
-to a temporary directory and renamed so a sampler never loads a half-written version. `step`
-is the optimizer step on any loss: GRPO's minibatches use it, and `agentrl sft`'s behaviour
-cloning trains through it.
+and then saves the weights, `adapters/v{n}`, written to a temporary directory and renamed so a
+sampler never loads a half-written version: a standard PEFT directory (safetensors), or under
+full fine-tuning a model directory (config.json + model.safetensors in fp32, the master
+weights; `WeightsRef` kind "full"). `step` is the optimizer step on any loss: GRPO's
+minibatches use it, and `agentrl sft`'s behaviour cloning trains through it.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from agentrl import faults
 from agentrl.config import Config, LearnerConfig, effective_prompt, write_adapter_record
 from agentrl.errors import UserError
 from agentrl.io import atomic_path
-from agentrl.models import load_model, quiet_peft
+from agentrl.models import copy_full_weights, load_model, quiet_peft, save_full_weights
 from agentrl.rollout.trajectory import is_zero, step_allowed, step_sequences, token_advantages, trained_tokens
 from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
 from agentrl.train.packing import Packed, autocast, pack, sequence_logprobs, supports_packing, token_micro_batches
-from agentrl.weights import WeightsRef
+from agentrl.weights import WeightsRef, weights_kind
 
 __all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
 
@@ -63,6 +65,14 @@ def constraints_of(items) -> list | None:
     return out if any(out) else None
 
 
+def refuse_full_init(lora_r: int, init_adapter: str | None) -> None:
+    """A LoRA learner (lora_r > 0) continues a LoRA adapter, never a full model directory."""
+    if lora_r and init_adapter and weights_kind(init_adapter) == "full":
+        raise UserError(f"learner.lora_r {lora_r} trains a LoRA over the base model, but {init_adapter} holds every "
+                        f"weight (full fine-tuning): continue it with learner.lora_r 0, or make it the base model "
+                        f"(--model {init_adapter})")
+
+
 def build_learner(cfg: Config, model=None, settings: LearnerConfig | None = None, warm_start: bool = True,
                   device: str | None = None) -> LocalLearner:
     """The one place an in-process learner is made (the factory `remote.make_learner`, the learner
@@ -72,7 +82,8 @@ def build_learner(cfg: Config, model=None, settings: LearnerConfig | None = None
     fresh LoRA, as Tier 2 and sft do)."""
     if model is None:
         device = device or cfg.learner.device or cfg.model.device
-        model = load_model(cfg.model.name, cfg.model.dtype, device, cfg.model.trust_remote_code)[0]
+        dtype = "float32" if (settings or cfg.learner).lora_r == 0 else cfg.model.dtype  # full FT: fp32 master weights
+        model = load_model(cfg.model.name, dtype, device, cfg.model.trust_remote_code)[0]
     return LocalLearner(model, settings or cfg.learner, seed=cfg.seed,
                         init_adapter=cfg.train.init_adapter if warm_start else None, prompt=effective_prompt(cfg))
 
@@ -116,12 +127,18 @@ class LocalLearner:
     def __init__(self, model, cfg: LearnerConfig, seed: int = 0, init_adapter: str | None = None,
                  prompt: dict | None = None):
         """`init_adapter`: a PEFT LoRA directory (e.g. `agentrl sft`'s) the policy starts from,
-        trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`.
+        trainable, with its own rank and target modules; None: a fresh LoRA from `cfg`. With
+        cfg.lora_r 0 (full fine-tuning) every parameter trains, in fp32; `init_adapter` is then a
+        full model directory (`agentrl sft` with lora_r 0) or a LoRA adapter merged into the weights.
         `prompt`: the run's prompt settings (`config.effective_prompt`), recorded in every adapter
         this learner writes (agentrl.json), so evaluating one uses the prompt it was trained with."""
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
-        if init_adapter:
+        self.kind = "full" if cfg.lora_r == 0 else "lora"
+        if self.kind == "full":
+            self.model = _full_model(model, init_adapter)
+        elif init_adapter:
+            refuse_full_init(cfg.lora_r, init_adapter)
             with quiet_peft():
                 self.model = PeftModel.from_pretrained(model, init_adapter, is_trainable=True)
             # the adapter may come from another machine (a GPU's warm start): record the base this
@@ -142,16 +159,24 @@ class LocalLearner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0
         self.prompt = prompt
-        # KL's reference: the warm start's LoRA weights, frozen (swapped in for a no-grad pass)
+        # KL's reference: the warm start's trained weights (LoRA's, or under full fine-tuning a
+        # frozen copy of every weight: one more model in fp32), swapped in for a no-grad pass
         self.reference = [p.detach().clone() for p in self.params] if cfg.kl_coef > 0 else None
         history = int((prompt or {}).get("history") or 0)
         self.replay = SuccessReplay(cfg.replay_coef, cfg.replay_buffer, history) if cfg.replay_coef > 0 else None
 
+    def write_weights(self, path: Path) -> None:
+        """The weights as a PEFT adapter directory, or under full fine-tuning a model directory."""
+        if self.kind == "full":
+            save_full_weights(self.model, path)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
+
     def _write_adapter(self, path: Path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)
+        self.write_weights(path)
         if self.prompt is not None:
             write_adapter_record(path, self.prompt, written_by="agentrl train", version=self.version,
-                                 init_adapter=self.init_adapter)
+                                 init_adapter=self.init_adapter, weights=self.kind)
 
     @property
     def device(self) -> torch.device:
@@ -372,13 +397,14 @@ class LocalLearner:
     @torch.no_grad()
     def _logprobs(self, work, reference: bool = False) -> list[torch.Tensor]:
         """Per trajectory, its token log-probs under the current policy (or the reference: the warm
-        start's LoRA weights swapped in for the pass), in eval mode (no dropout)."""
+        start's weights swapped in for the pass: each parameter points at its reference tensor and
+        back, no copy made), in eval mode (no dropout)."""
         self.model.eval()
         saved = None
         if reference:
-            saved = [p.detach().clone() for p in self.params]
+            saved = [p.data for p in self.params]
             for p, r in zip(self.params, self.reference):
-                p.copy_(r)
+                p.data = r
         try:
             sequences = [t.token_ids for t, _ in work]
             constraints = constraints_of([t for t, _ in work])
@@ -392,7 +418,7 @@ class LocalLearner:
         finally:
             if saved is not None:
                 for p, w in zip(self.params, saved):
-                    p.copy_(w)
+                    p.data = w
 
     def logprobs(self, items: list) -> list[torch.Tensor]:
         """Per item (a trajectory or TrainItem, as `plan` forwards it: under prompt.history, `per_step_items`'s),
@@ -408,14 +434,16 @@ class LocalLearner:
         return out
 
     def save(self, root: Path) -> WeightsRef:
-        """Write the weights as `root/v{n+1}` (PEFT format, safetensors) atomically; return their ref."""
+        """Write the weights as `root/v{n+1}` (PEFT format, or a full model directory; safetensors)
+        atomically; return their ref."""
         self.version += 1
         with atomic_path(Path(root) / f"v{self.version}") as tmp:
             self._write_adapter(tmp)
-        return WeightsRef(Path(root) / f"v{self.version}", self.version)
+        return WeightsRef(Path(root) / f"v{self.version}", self.version, self.kind)
 
     def save_state(self, path: Path) -> None:
-        """Adapter, optimizer and torch RNG into `path` (part of a checkpoint; the caller makes it atomic)."""
+        """Weights (adapter or full), optimizer and torch RNG into `path` (part of a checkpoint; the
+        caller makes it atomic)."""
         self._write_adapter(path / STATE_WEIGHTS)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")  # LoRA dropout draws from it
@@ -424,16 +452,22 @@ class LocalLearner:
 
     def load_state(self, path: Path, version: int) -> WeightsRef:
         """Restore what `save_state` wrote; loads weights only (safetensors, weights_only=True)."""
-        weights = load_file(str(path / STATE_WEIGHTS / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
-        if getattr(result, "unexpected_keys", None):
-            raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
+        if weights_kind(path / STATE_WEIGHTS) != self.kind:
+            raise UserError(f"checkpoint {path} holds {weights_kind(path / STATE_WEIGHTS)} weights; this learner "
+                            f"trains {self.kind} ones (learner.lora_r {self.cfg.lora_r})")
+        if self.kind == "full":
+            copy_full_weights(self.model, path / STATE_WEIGHTS)
+        else:
+            weights = load_file(str(path / STATE_WEIGHTS / "adapter_model.safetensors"), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, weights)
+            if getattr(result, "unexpected_keys", None):
+                raise UserError(f"checkpoint {path} does not match the learner's LoRA layout (unexpected {result.unexpected_keys[0]})")
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
         torch.set_rng_state(torch.load(path / "rng.pt", weights_only=True)["torch"])
         if self.replay is not None:
             self.replay.load(path)
         self.version = version
-        return WeightsRef(path / STATE_WEIGHTS, version)
+        return WeightsRef(path / STATE_WEIGHTS, version, self.kind)
 
     def close(self) -> None:
         """Nothing to free: the model goes with this object (a learner elsewhere frees its process)."""
@@ -444,3 +478,18 @@ def _with_replay(loss_fn: Callable, replay_fn: Callable | None) -> Callable:
     if replay_fn is None:
         return loss_fn
     return lambda model, part: replay_fn(model, part.rows) if isinstance(part, ReplayPart) else loss_fn(model, part)
+
+
+def _full_model(model, init_adapter: str | None):
+    """Full fine-tuning's policy: the plain model, every parameter trainable, in fp32 (the master
+    weights; learner.autocast runs the matmuls in bf16), from `init_adapter`'s weights when given
+    (a full model directory copied in, or a LoRA adapter merged in)."""
+    model = model.float()
+    if init_adapter and weights_kind(init_adapter) == "lora":
+        with quiet_peft():
+            model = PeftModel.from_pretrained(model, init_adapter).merge_and_unload()
+    elif init_adapter:
+        copy_full_weights(model, init_adapter)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model

@@ -4,7 +4,11 @@ The learner's peak is one micro-batch's forward + backward: `learner.micro_batch
 `learner.tokens_per_microbatch` tokens; auto: one row at least, the rest sized from what is free) of a whole
 episode (or, under `prompt.history`, of one step's window), each row's activations saved for
 backward, the vocabulary projection of one chunk of positions per row, and the LoRA's weights,
-gradients and AdamW moments, on top of the model's weights. On one device with the hf sampler
+gradients and AdamW moments, on top of the model's weights. Under full fine-tuning (learner.lora_r
+0) the model's weights are fp32 master weights (4 bytes a parameter, whatever model.dtype says),
+and every parameter has a gradient and two AdamW moments (12 bytes more), plus, with
+learner.kl_coef > 0, a frozen fp32 copy of the starting weights (the KL reference): 16 or 20
+bytes a parameter (the default model: 2.2 or 2.7 GB) before any activation. On one device with the hf sampler
 the sampler's KV cache takes turns with it: the store gives its memory back when a rollout ends,
 so the device must hold the larger of the two.
 
@@ -39,8 +43,8 @@ def _gb(n: int) -> str:
 
 @dataclass
 class LearnerMemory:
-    weights: int  # the model's weights as loaded
-    lora_state: int  # LoRA weights + gradients + AdamW's two moments (fp32)
+    weights: int  # the model's weights as loaded (full fine-tuning: in fp32)
+    train_state: int  # LoRA weights + gradients + AdamW's two moments (fp32); full: gradients + moments (+ KL reference)
     activations: int  # one micro-batch's saved activations
     logits: int  # one micro-batch's chunk of vocabulary projections
     kv_cache: int  # the hf sampler's KV cache for a rollout on the same device (0 elsewhere), between learner updates
@@ -49,7 +53,7 @@ class LearnerMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.lora_state + max(self.activations + self.logits, self.kv_cache)
+        return self.weights + self.train_state + max(self.activations + self.logits, self.kv_cache)
 
 
 def activation_bytes_per_token(config, dtype_bytes: int, gradient_checkpointing: bool) -> int:
@@ -71,6 +75,24 @@ def lora_params(config, r: int, target_modules) -> int:
     shapes = {"q_proj": (h, q), "k_proj": (h, kv_heads * head_dim), "v_proj": (h, kv_heads * head_dim),
               "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
     return layers * sum(r * sum(shapes.get(m, (h, h))) for m in target_modules)
+
+
+def model_params(model_name: str, trust_remote_code: bool = False) -> int:
+    """The model's parameters (tied ones once), counted on the meta device."""
+    from agentrl.models import meta_model
+
+    return sum(p.numel() for p in meta_model(model_name, trust_remote_code).parameters())
+
+
+def train_state_bytes(cfg, model_config) -> tuple[int, int]:
+    """(the learner's weights beyond what is on disk, the state it trains): under full fine-tuning
+    fp32 master weights, and per parameter an fp32 gradient, two AdamW moments and, with a KL
+    penalty, its frozen reference; else the LoRA's weights, gradients and moments."""
+    lc = cfg.learner
+    if lc.lora_r:
+        return 0, 4 * 4 * lora_params(model_config, lc.lora_r, lc.target_modules)
+    n = model_params(cfg.model.name, cfg.model.trust_remote_code)
+    return 4 * n, (3 + (1 if lc.kl_coef > 0 else 0)) * 4 * n
 
 
 def microbatch_rows(lc, row_tokens: int) -> int:
@@ -99,22 +121,22 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
     model_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     sampler_device = pick_device(cfg.model.device)
     device = cfg.learner.device or sampler_device
-    dtype = pick_dtype(cfg.model.dtype, device)
+    dtype = pick_dtype(cfg.model.dtype, device) if cfg.learner.lora_r else torch.float32  # full FT: fp32 weights
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
     history = cfg.prompt.history or 0
     row_tokens = expected_context_tokens(cfg, min(history, t_max) if history else t_max, tokenizer)
     rows = max(1, min(microbatch_rows(cfg.learner, row_tokens),
                       cfg.rollout.tasks * cfg.rollout.group_size * (t_max if history else 1)))
-    r, modules = cfg.learner.lora_r, cfg.learner.target_modules
+    master, train_state = train_state_bytes(cfg, model_config)
     vocab = getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
                     "vocab_size", 0)
     same_device = device == sampler_device and cfg.sampling.backend == "hf"
     kv = (cfg.rollout.tasks * cfg.rollout.group_size * expected_context_tokens(cfg, t_max, tokenizer)
           * kv_bytes_per_token(model_config, pick_dtype(cfg.model.dtype, sampler_device))) if same_device else 0
     return LearnerMemory(
-        weights=weight_bytes(path),
-        lora_state=4 * 4 * lora_params(model_config, r, modules),
+        weights=master or weight_bytes(path),
+        train_state=train_state,
         activations=rows * row_tokens * activation_bytes_per_token(model_config, dtype_bytes,
                                                                      cfg.learner.gradient_checkpointing),
         logits=rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES,
@@ -149,7 +171,9 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
     hints.append("a shorter env.max_steps" + (" or prompt.history" if not cfg.prompt.history else ""))
     raise UserError(
         f"train's learner: {m.rows} {'row' if m.rows == 1 else 'rows'} x ~{m.row_tokens} tokens per micro-batch need "
-        f"~{_gb(m.activations + m.logits)} GB of activations, ~{_gb(m.total)} GB with the model and LoRA state"
+        f"~{_gb(m.activations + m.logits)} GB of activations, ~{_gb(m.total)} GB with the model and "
+        + ("LoRA state" if cfg.learner.lora_r else f"full fine-tuning's fp32 weights, gradients and AdamW moments "
+           f"(~{_gb(m.weights + m.train_state)} GB)")
         + f", over the {_gb(max(0, free))} GB free on {device}; try " + ", or ".join(hints))
 
 

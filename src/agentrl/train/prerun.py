@@ -11,12 +11,14 @@ from pathlib import Path
 from agentrl import cluster
 from agentrl.config import Config, load_config
 from agentrl.errors import UserError
-from agentrl.models import check_lora_adapter, resolve_model
+from agentrl.models import check_full_weights, check_lora_adapter, resolve_model
 from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.replicas import check_replicas
 from agentrl.specs import GateSpec
 from agentrl.train.loop import TaskSampler, prepare_run
+from agentrl.train.learner import refuse_full_init
 from agentrl.train.memory import check_learner_fits
+from agentrl.weights import weights_kind
 
 # What --resume may change: the iteration count, where things run and memory settings; none of
 # them changes a gradient, so the continued run is the run it was.
@@ -54,8 +56,12 @@ def check_run(cfg: Config) -> TaskSampler:
     """Refuse a run that cannot go before its directory is written; return its task sampler
     (which has found the games)."""
     resolve_model(cfg.model.name)
-    if cfg.train.init_adapter:  # the user's files first, then whether this machine's memory holds the run
-        check_lora_adapter(cfg.train.init_adapter, cfg.model.name, cfg.model.trust_remote_code)
+    init = cfg.train.init_adapter
+    if init and weights_kind(init) == "full":  # the user's files first, then whether this machine's memory holds the run
+        refuse_full_init(cfg.learner.lora_r, init)
+        check_full_weights(init, cfg.model.name, cfg.model.trust_remote_code)
+    elif init:
+        check_lora_adapter(init, cfg.model.name, cfg.model.trust_remote_code)
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
     check_kv_fits(cfg, min(1, cfg.train.eval_tasks), cfg.train.eval_max_steps or t_max, "train's held-out eval")  # run in slices

@@ -109,7 +109,7 @@ class RayLearner:
     def load_state(self, path: Path, version: int) -> WeightsRef:
         self._call(self.actor.load_state.remote(read_tree(path), version), "load_state")
         self.version = version
-        return WeightsRef(path / STATE_WEIGHTS, version)
+        return WeightsRef.of(path / STATE_WEIGHTS, version)  # LoRA or full weights, as the actor wrote them
 
     def close(self) -> None:
         import ray  # optional dependency (see __init__)

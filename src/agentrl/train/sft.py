@@ -9,8 +9,9 @@ warm start on expert trajectories, then RL. Here:
                                          # mask = 1 on each reply and its end-of-turn token
     for epoch: for step: AdamW on the masked NLL (token mean), run packed by the learner's token budget
     heldout NLL on valid_seen walkthroughs after each epoch
-    write DIR: a PEFT adapter (the learner's rank and target modules), agentrl.json (the prompt
-               it was taught with), sft_metrics.jsonl; atomically
+    write DIR: a PEFT adapter (the learner's rank and target modules; learner.lora_r 0: every
+               weight, a model directory), agentrl.json (the prompt it was taught with),
+               sft_metrics.jsonl; atomically
 
 Walkthroughs carry no thoughts, so the reply taught is `Action: <command>` (prompt.reply
 "action", system_action.txt) and the in-context example is left out (prompt.example "none"):
@@ -277,7 +278,10 @@ def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict 
         record = json.loads(f.read_text())
     except (OSError, ValueError):
         return None
-    done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    if cfg.learner.lora_r:
+        done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    else:  # full fine-tuning's model directory
+        done = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     files = [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources or []]
     return record if done and record.get("recipe") == recipe(sft_prompt(cfg), files or None) else None
 
@@ -295,7 +299,8 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
     t0 = time.perf_counter()
     if model is None or tokenizer is None:
-        model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
+        dtype = cfg.model.dtype if cfg.learner.lora_r else "float32"  # full fine-tuning: fp32 master weights
+        model, tokenizer = load_model(cfg.model.name, dtype, cfg.model.device, cfg.model.trust_remote_code)
     won = won_rollouts(sources, tokenizer, cfg.prompt.history or 0) if sources else None  # before any replay: errors first
     data, held = replay(cfg, games, heldout_games, tokenizer, cache_dir, hooks)
     if won is not None:
@@ -314,6 +319,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
         "lora": {"r": cfg.learner.lora_r, "alpha": cfg.learner.lora_alpha, "target_modules": list(cfg.learner.target_modules)},
+        "weights": learner.kind,  # lora, or full (learner.lora_r 0: every weight, a model directory)
         "sft": {**origin, "examples": len(data.examples), "skipped": len(data.skipped), "epochs": s.epochs, "lr": s.lr,
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
@@ -321,7 +327,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "minutes": round((time.perf_counter() - t0) / 60, 2),
         "recipe": recipe(cfg, won.files if won is not None else None),
     }
-    write_adapter(learner.model, out, summary, rows, force)
+    write_adapter(learner, out, summary, rows, force)
     return summary
 
 
@@ -456,11 +462,12 @@ def lr_lambda(s, total_steps: int):
     return factor
 
 
-def write_adapter(policy, out: Path, summary: dict, rows: list[dict], force: bool) -> None:
-    """DIR = adapter_config.json + adapter_model.safetensors + agentrl.json + sft_metrics.jsonl,
-    written in a temporary sibling and renamed: DIR is complete or absent."""
+def write_adapter(learner: LocalLearner, out: Path, summary: dict, rows: list[dict], force: bool) -> None:
+    """DIR = adapter_config.json + adapter_model.safetensors (full fine-tuning: config.json +
+    model.safetensors + the tokenizer's files) + agentrl.json + sft_metrics.jsonl, written in a
+    temporary sibling and renamed: DIR is complete or absent."""
     with atomic_path(out) as tmp:
-        policy.save_pretrained(tmp, safe_serialization=True)
+        learner.write_weights(tmp)
         (tmp / ADAPTER_RECORD).write_text(json.dumps(summary, indent=2) + "\n")
         (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if out.exists():
