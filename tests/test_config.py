@@ -114,7 +114,8 @@ def test_tier_configs_hold_the_papers_defaults():
     [
         ({"learner.lr": -1e-4}, "learner.lr must be > 0"),
         ({"learner.loss_agg": "sum"}, "learner.loss_agg must be one of"),
-        ({"learner.lora_r": 0}, "learner.lora_r must be >= 1"),
+        ({"learner.lora_r": -1}, "learner.lora_r must be >= 0"),
+        ({"learner.lora_r": 0, "sampling.backend": "vllm"}, "learner.lora_r 0 .full fine-tuning. needs --sampler hf"),
         ({"learner.target_modules": []}, "at least one module"),
         ({"train.advantage": "ppo"}, "train.advantage must be one of"),
         ({"train.iterations": -1}, "train.iterations must be >= 0"),

@@ -171,7 +171,8 @@ class HFSampler:
             self._merge()  # the previous weights stay, as they were served
             raise
         if peft:
-            self.model = self.model.unload()
+            with quiet_peft():
+                self.model = self.model.unload()
             self._base_weights = {}
             if self.static:
                 self.static.forget()  # a new model object: steps are rebuilt around it (once)

@@ -1,7 +1,7 @@
 """Checkpoints: everything needed to continue a run exactly, written so a kill never leaves a
 half-written one.
 
-RUN/checkpoints/it00012/ holds the adapter (PEFT, safetensors), the optimizer state, the RNG
+RUN/checkpoints/it00012/ holds the adapter (PEFT, safetensors; under full fine-tuning every weight), the optimizer state, the RNG
 states, the task sampler's state and the iteration counter. It is written to a temporary
 directory, fsynced, renamed into place, and only then named in RUN/checkpoints/latest (an
 atomic one-line file). Older checkpoints are removed after that, so at every moment the one
