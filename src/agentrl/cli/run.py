@@ -245,7 +245,7 @@ def offpolicy_cmd(cfg, buffer_path: Path, plan) -> None:
 # ---------------------------------------------------------------- sft
 @app.command("sft")
 def sft_cmd(
-    out: opt(Path, None, "Adapter directory to write (a standard PEFT adapter + agentrl.json + sft_metrics.jsonl)."),
+    out: opt(Path, None, "Adapter directory to write (a standard PEFT adapter + agentrl.json + sft_metrics.jsonl; learner.lora_r 0: a model directory)."),
     games: opt(OptInt, "sft.games", "Walkthroughs to learn from, round-robin over task types (default: all of the split).") = None,
     epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
