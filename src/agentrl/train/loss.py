@@ -81,12 +81,20 @@ def grpo_loss(
         weighted = (token_logp * mask * adv).sum(dim=1)
     else:
         weighted = adv * (token_logp * mask).sum(dim=1)
+    return -aggregate(weighted, mask, agg, n_total, tokens_total)
+
+
+def aggregate(per_seq: torch.Tensor, mask: torch.Tensor, agg: str, n_total: float | None = None,
+              tokens_total: float | None = None) -> torch.Tensor:
+    """Per-sequence sums over action tokens [N] -> the batch's term, as `loss_agg` says: seq-sum
+    sum / N, token-mean sum / action tokens, seq-mean-token-mean per-sequence token mean / N (the
+    whole batch's N and token count when given: micro-batches)."""
     if agg == "seq-sum":
-        return -weighted.sum() / (n_total or token_logp.shape[0])
+        return per_seq.sum() / (n_total or mask.shape[0])
     if agg == "token-mean":
-        return -weighted.sum() / max(1, tokens_total or int(mask.sum()))
+        return per_seq.sum() / max(1, tokens_total or float(mask.sum()))
     if agg == "seq-mean-token-mean":
-        return -(weighted / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
+        return (per_seq / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or mask.shape[0])
     raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
 
 
@@ -112,13 +120,7 @@ def clipped_loss(
     term = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     weighted = (term * mask).sum(dim=1)
     clipped = (((ratio < 1 - clip) | (ratio > 1 + clip)).to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-    if agg == "seq-sum":
-        return -weighted.sum() / (n_total or token_logp.shape[0]), clipped
-    if agg == "token-mean":
-        return -weighted.sum() / max(1, tokens_total or float(mask.sum())), clipped
-    if agg == "seq-mean-token-mean":
-        return -(weighted / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0]), clipped
-    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return -aggregate(weighted, mask, agg, n_total, tokens_total), clipped
 
 
 def kl_to_reference(token_logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -144,14 +146,7 @@ def kl_penalty(
     seq-mean-token-mean: per-sequence token mean, then / N."""
     mask = action_mask.to(token_logp.dtype)
     d = (ref_logp - token_logp) * mask
-    per_seq = ((torch.exp(d) - d - 1) * mask).sum(dim=1)
-    if agg == "seq-sum":
-        return per_seq.sum() / (n_total or token_logp.shape[0])
-    if agg == "token-mean":
-        return per_seq.sum() / max(1, tokens_total or float(mask.sum()))
-    if agg == "seq-mean-token-mean":
-        return (per_seq / mask.sum(dim=1).clamp(min=1)).sum() / (n_total or token_logp.shape[0])
-    raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {', '.join(AGGREGATIONS)}")
+    return aggregate(((torch.exp(d) - d - 1) * mask).sum(dim=1), mask, agg, n_total, tokens_total)
 
 
 def field_kl_coef(kl_coef: float, agg: str, n_total: float, tokens_total: float, kl_tokens: int,
