@@ -162,3 +162,20 @@ def test_the_classifier_row_reads_the_signals_together(tmp_path):
     assert d["auroc"] < 1.0 and obs["auroc"] < 1.0
     assert combined["auroc"] == 1.0 and combined["best_precision"] == 1.0
     assert combined["best_cut"] == combined["N"] - combined["informative"]  # every zero-variance group, nothing else
+
+
+def test_a_table_written_before_issue_49_lacks_two_signals_and_still_reads(tmp_path):
+    """groups.csv from before the invalid-action and NLL signals has the seed paper's seven: analyze
+    reads it and ranks only the signals it has (the classifier too)."""
+    from agentrl.specs import PAPER_SIGNALS
+
+    path = write_table(tmp_path / "g.csv")
+    rows = list(csv.DictReader(path.open()))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[c for c in rows[0] if c in PAPER_SIGNALS or c not in SIGNALS])
+        w.writeheader()
+        w.writerows({k: v for k, v in r.items() if k in w.fieldnames} for r in rows)
+    assert list(read_groups(path).signals) == list(PAPER_SIGNALS)
+    a = analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8)
+    assert {r["signal"] for r in a.signals} >= set(PAPER_SIGNALS)
+    assert not {r["signal"] for r in a.signals} & {"invalid_action_fraction", "reply_nll_mean"}

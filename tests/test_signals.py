@@ -6,9 +6,9 @@ from agentrl.collect import write_rollout
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.errors import UserError
 from agentrl.rollout.lockstep import run_lockstep
-from agentrl.rollout.signals import SIGNALS, Trace, compute_signals, d_K, signals_at
+from agentrl.rollout.signals import SIGNALS, Trace, compute_signals, d_K, reply_logprobs, signals_at
 from agentrl.select.gate_rule import Threshold
-from agentrl.specs import GateSpec, parse_gate
+from agentrl.specs import GateSpec, convergence_score, parse_gate
 from agentrl.train.offpolicy import load_buffer
 
 
@@ -64,6 +64,33 @@ def test_values_in_unit_interval():
         assert all(0.0 <= v <= 1.0 + 1e-12 for v in s.values())
 
 
+def test_invalid_actions_and_reply_nll_pooled_over_the_group():
+    """Issue 49's two signals: the share of invalid actions over every step of the G prefixes, and
+    the replies' negative log-prob per generated token, both pooled (a longer prefix weighs more)."""
+    acts = [["go to desk 1", "invalid:fly"], ["invalid:x", "invalid:y", "look"], []]
+    replies = [[(-1.0, 2), (-3.0, 4)], [(-0.5, 1), (0.0, 3), (-0.5, 2)], []]
+    s = compute_signals(acts, ["o", "o", "o"], [False, False, True], replies)
+    assert s["invalid_action_fraction"] == pytest.approx(3 / 5)
+    assert s["reply_nll_mean"] == pytest.approx(5.0 / 12)
+    assert compute_signals(acts, ["o"] * 3, [False] * 3)["reply_nll_mean"] == 0.0  # no replies recorded: 0
+    # a gate reads many invalid actions as converged (to failing), like a high termination_fraction
+    assert convergence_score("invalid_action_fraction", s) == pytest.approx(0.4)
+    assert convergence_score("reply_nll_mean", s) == s["reply_nll_mean"]
+    with pytest.raises(ValueError):
+        compute_signals(acts, ["o"] * 3, [False] * 3, replies[:2])
+
+
+def test_reply_logprobs_one_entry_per_run_of_generated_tokens():
+    mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
+    lps = [0.0, 0.0, -0.5, -0.25, 0.0, -2.0, 0.0, 0.0, 0.0, -1.0, -1.0]
+    assert reply_logprobs(lps, mask) == [(-0.75, 2), (-2.0, 1), (-2.0, 3)]
+    assert reply_logprobs([], []) == [] and reply_logprobs([0.0], [0]) == []
+    # signals_at takes the first K replies with the first K actions
+    t = Trace(["a", "invalid:b", "c"], ["o1", "o2", "o3"], "o0", None, reply_logprobs(lps, mask))
+    s = signals_at([t, t], 2)
+    assert s["invalid_action_fraction"] == 0.5 and s["reply_nll_mean"] == pytest.approx(2.75 / 3)
+
+
 def test_gate_fires_strictly_below_d_L():
     gate = Threshold(10, 0.25)
     base = {"termination_fraction": 0.0}
@@ -98,6 +125,9 @@ def test_parse_gate():
         parse_gate("off", tau_H=0.9)
     with pytest.raises(UserError, match="tau_H"):
         parse_gate("10,0.1", tau_H=2.0)
+    assert parse_gate("5,auto:invalid").signal == "invalid_action_fraction"
+    assert parse_gate("5,auto:d+invalid+nll").signals == ("prefix_edit_distance_mean", "invalid_action_fraction",
+                                                          "reply_nll_mean")
 
 
 # ---------------------------------------------------------------- one definition for every tier
@@ -130,10 +160,11 @@ class _Mixed:
     def act(self, trajs):
         out = []
         for t in trajs:
-            t.append([4, 5], generated=True, logprobs=[-0.5, -0.5])
             w, n = t.game.walkthrough, len(t.steps)
+            t.append([4, 5], generated=True, logprobs=[-0.5 * t.index, -0.1 * n])  # reply_nll_mean differs by K
             gotos = sorted(c for c in t.admissible if c.startswith("go to ")) or ["look"]
-            out.append(f"Action: {w[n] if t.index < 2 and n < len(w) else gotos[n % len(gotos)]}")
+            wander = "fly to the moon" if n % 3 == 1 else gotos[n % len(gotos)]  # an invalid action now and then
+            out.append(f"Action: {w[n] if t.index < 2 and n < len(w) else wander}")
         return out
 
     def observe(self, traj, obs): ...
@@ -161,6 +192,8 @@ def test_tier_2_reads_a_rollouts_buffer_with_the_signals_the_rollout_computed(tm
     assert trajs["pick_and_place_simple", 2].stop_reason == "max_steps"
     # at K = 2 the failed trajectory was still running (its engine died on step 3)
     assert rollout.groups[0].signals[2]["termination_fraction"] == 0.0
+    assert rollout.groups[0].signals[2]["invalid_action_fraction"] == pytest.approx(1 / 6)  # the wanderer's step 2
+    assert rollout.groups[0].signals[2]["reply_nll_mean"] > 0
 
     write_rollout(rollout, tmp_path, steps)
     (tmp_path / "groups.csv").unlink()  # Tier 2 computes every signal from the step records

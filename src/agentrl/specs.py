@@ -15,19 +15,24 @@ from agentrl.errors import UserError
 _SPEC = re.compile(r"^\s*(\d+)\s*,\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*$")
 _AUTO = re.compile(r"^\s*(\d+)\s*,\s*auto\s*(?::\s*([a-z_+ ]+?)\s*)?$")
 
-# the seven signals (agentrl.rollout.signals.SIGNALS); a group has converged when a divergence is low
-# or, for termination_fraction, when much of it has finished: the gate scores "converged" as a low value
+# the signals (agentrl.rollout.signals.SIGNALS): the seed paper's seven, then two of issue 49 (the
+# share of invalid actions, the replies' mean negative log-prob). A group has converged when a
+# divergence is low or, for termination_fraction and invalid_action_fraction, when much of it has
+# finished or gone invalid: the gate scores "converged" as a low value (`convergence_score`)
 SIGNAL_NAMES = ("prefix_edit_distance_mean", "action_bigram_jaccard_mean", "unique_prefix_ratio", "unique_action_ratio",
-                "action_entropy", "obs_unique_ratio", "termination_fraction")
+                "action_entropy", "obs_unique_ratio", "termination_fraction", "invalid_action_fraction",
+                "reply_nll_mean")
+PAPER_SIGNALS = SIGNAL_NAMES[:7]  # every groups.csv has these; tables written before issue 49 lack the other two
+HIGH_IS_CONVERGED = ("termination_fraction", "invalid_action_fraction")
 _SHORT = {"d": "prefix_edit_distance_mean", "d_k": "prefix_edit_distance_mean", "bigram": "action_bigram_jaccard_mean", "prefixes": "unique_prefix_ratio",
           "actions": "unique_action_ratio", "entropy": "action_entropy", "obs": "obs_unique_ratio",
-          "tau": "termination_fraction"}
+          "tau": "termination_fraction", "invalid": "invalid_action_fraction", "nll": "reply_nll_mean"}
 
 
 def convergence_score(signal: str, signals: Mapping[str, float]) -> float:
     """The value a threshold rule compares with d_L (lower = more converged)."""
     v = signals[signal]
-    return 1.0 - v if signal == "termination_fraction" else v
+    return 1.0 - v if signal in HIGH_IS_CONVERGED else v
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
         for given, name in zip((auto.group(2) or "").split("+"), names):
             if name not in SIGNAL_NAMES:
                 raise UserError(f"unknown gate signal {given.strip()!r} in {spec!r}; choose from "
-                                f"{', '.join(SIGNAL_NAMES)} (or d, d_K, bigram, prefixes, actions, entropy, obs, tau)")
+                                f"{', '.join(SIGNAL_NAMES)} (or d, d_K, bigram, prefixes, actions, entropy, obs, tau, invalid, nll)")
         return GateSpec(int(auto.group(1)), 0.0, tau_H, auto=True, signal=names[0],
                         signals=tuple(names) if len(names) > 1 else ())
     m = _SPEC.match(spec)

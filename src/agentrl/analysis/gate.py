@@ -19,10 +19,10 @@ from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
 from agentrl.select.classifier_gate import FOLDS, cross_fitted
-from agentrl.specs import convergence_score
+from agentrl.specs import PAPER_SIGNALS, convergence_score
 from agentrl.train.advantage import Advantage, group_advantages
 
-REQUIRED = ("task_id", "task_type", "K", *SIGNALS, "rewards")
+REQUIRED = ("task_id", "task_type", "K", *PAPER_SIGNALS, "rewards")  # issue 49's two signals: read where present
 D_L_GRID = tuple(round(x, 2) for x in np.arange(0.02, 0.601, 0.02))
 SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct", "adv_l2_kept",
                  "gigpo_l2_kept"]
@@ -31,7 +31,7 @@ SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "saf
 @dataclass
 class Table:
     K: np.ndarray  # [N]
-    signals: dict[str, np.ndarray]  # name -> [N]
+    signals: dict[str, np.ndarray]  # name -> [N], in SIGNALS' order: the signals the table has
     rewards: list[np.ndarray]
     task_id: list[str]
     task_type: list[str]
@@ -62,11 +62,11 @@ def read_groups(path: Path) -> Table:
         missing = [c for c in REQUIRED if c not in (reader.fieldnames or [])]
         if missing:
             raise UserError(f"{path}: missing columns {', '.join(missing)} (need {', '.join(REQUIRED)})")
-        K, sig, rewards, ids, types = [], {s: [] for s in SIGNALS}, [], [], []
+        K, sig, rewards, ids, types = [], {s: [] for s in SIGNALS if s in reader.fieldnames}, [], [], []
         for line, row in enumerate(reader, start=2):
             try:
                 K.append(int(row["K"]))
-                for s in SIGNALS:
+                for s in sig:
                     sig[s].append(float(row[s]))
                 r = np.array([float(x) for x in row["rewards"].split(";")])
             except (TypeError, ValueError) as e:
@@ -117,7 +117,7 @@ def correlation(t: Table) -> list[dict]:
     for K in sorted(set(t.K.tolist())):
         sub = t.at(K)
         var, pos = sub.variance, sub.informative
-        for name in SIGNALS:
+        for name in sub.signals:
             x = sub.signals[name]
             if np.ptp(x) == 0 or np.ptp(var) == 0:
                 rho, p = float("nan"), float("nan")
@@ -159,7 +159,7 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
     same against all-fail groups only and against all-success groups only, and the best cut
     "score < t" at or above the precision floor (its threshold, size, precision, recall, safe
     saving). The OR-rule (d_K < t or termination_fraction >= tau) gets its best cut only.
-    "classifier": the seven signals together, as `--gate K,auto:S1+...+S7` would read them: each
+    "classifier": every signal the table has, together, as `--gate K,auto:S1+S2+...` would read them: each
     group scored 1 - P(zero variance) by a logistic regression fitted on the other folds (5-fold
     cross-fitting, so its AUROC and cut are not read off the labels it was fitted on; the bootstrap
     resamples those scores, not the fit)."""
@@ -183,10 +183,10 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
                     "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
                     "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best}
 
-        for name in SIGNALS:
+        for name in sub.signals:
             rows.append(score_row(name, np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])))
-        if n >= 2 * FOLDS and 0 < pos.sum() < n:  # the seven together: the classifier gate's score, cross-fitted
-            X = np.column_stack([sub.signals[name] for name in SIGNALS])
+        if n >= 2 * FOLDS and 0 < pos.sum() < n:  # every signal together: the classifier gate's score, cross-fitted
+            X = np.column_stack(list(sub.signals.values()))
             rows.append(score_row("classifier", 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))))
         d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
         cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]
@@ -315,13 +315,14 @@ def figures(t: Table, corr: list[dict], out: Path, K: int, d_L: float) -> list[P
     import matplotlib.pyplot as plt
 
     Ks = sorted(set(t.K.tolist()))
+    names = list(t.signals)
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, col, title in ((axes[0], "spearman_rho", "Spearman ρ vs reward variance"), (axes[1], "auroc", "AUROC (informative group)")):
-        m = np.array([[next(r[col] for r in corr if r["K"] == k and r["metric"] == s) for k in Ks] for s in SIGNALS])
+        m = np.array([[next(r[col] for r in corr if r["K"] == k and r["metric"] == s) for k in Ks] for s in names])
         im = ax.imshow(m, cmap="RdBu_r", vmin=-1 if col == "spearman_rho" else 0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(Ks)), [f"K={k}" for k in Ks])
-        ax.set_yticks(range(len(SIGNALS)), SIGNALS if ax is axes[0] else [""] * len(SIGNALS))
+        ax.set_yticks(range(len(names)), names if ax is axes[0] else [""] * len(names))
         for i in range(m.shape[0]):
             for j in range(m.shape[1]):
                 ax.text(j, i, "–" if np.isnan(m[i, j]) else f"{m[i, j]:.2f}", ha="center", va="center", fontsize=8)

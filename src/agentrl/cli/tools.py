@@ -37,7 +37,7 @@ def analyze_cmd(
     d_l: Annotated[Optional[float], typer.Option("--d-l", help="d_L for calibration/bootstrap (default: the operating point's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random-cut baseline and the bootstrap.")] = 0,
 ) -> None:
-    """Spearman/AUROC of the seven signals, the d_L sweep, calibration, per-type AUROC, bootstrap CIs, figures."""
+    """Spearman/AUROC of each signal, the d_L sweep, calibration, per-type AUROC, bootstrap CIs, figures."""
     from agentrl.analysis.gate import analyze  # scipy: not for --help or the light commands
 
     if not 0 <= precision_floor <= 1:

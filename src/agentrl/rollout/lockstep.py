@@ -177,7 +177,7 @@ class Group(GroupOutcome):
 
     game: Game
     trajectories: list[Trajectory]
-    signals: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> the seven signals
+    signals: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> the signals (rollout.signals)
     cut: bool = False  # the gate stopped this group: excluded from advantages and loss
     live_at_cut: int = 0  # trajectories still running when the gate fired
     excluded_by: str | None = None  # the selection stage that kept this group out of the loss
@@ -234,7 +234,7 @@ def action_symbol(step: Step) -> str:
 
 
 def group_signals(group: Group, K: int) -> dict[str, float]:
-    """The seven signals from the state of the group's trajectories at step K (the one definition
+    """The signals from the state of the group's trajectories at step K (the one definition
     Tier 2 also reads its buffer with: `signals.signals_at`)."""
     return signals_at([Trace.of(t) for t in group.trajectories], K)
 

@@ -1,8 +1,9 @@
-"""The seven divergence signals of a group at step K (seed paper, App. B; DESIGN.md).
+"""The signals of a group at step K: the seed paper's seven divergences (App. B; DESIGN.md) and
+two of issue 49, the share of invalid actions and the replies' mean negative log-prob.
 
 Each is computed over the G partial trajectories of one task. A trajectory that finished
 before K keeps its actual (shorter) prefix; its last action and observation stand for
-a_{i,K} and o_{i,K}. All values lie in [0, 1].
+a_{i,K} and o_{i,K}. All values lie in [0, 1] except reply_nll_mean (nats per token, >= 0).
 
 One definition for every tier: `signals_at(traces, K)` reads a `Trace` per trajectory, built
 from a live trajectory during the rollout (Tiers 1 and 3, `Trace.of`) or from its
@@ -44,10 +45,17 @@ def d_K(actions: list[list[str]]) -> float:
     return sum(prefix_edit_distance(a, b) for a, b in pairs) / len(pairs) if pairs else 0.0
 
 
-def compute_signals(actions: list[list[str]], observations: list[str], finished: list[bool]) -> dict[str, float]:
+INVALID = "invalid:"  # how `command_symbol` marks an action that mapped to no admissible command
+
+
+def compute_signals(actions: list[list[str]], observations: list[str], finished: list[bool],
+                    replies: list[list[tuple[float, int]]] | None = None) -> dict[str, float]:
+    """The signals of G action prefixes (symbols of `command_symbol`), the observations after
+    their last step and which had finished; `replies` holds, per trajectory, (sum of log-probs,
+    tokens) of each reply in the prefix (None or empty: no generated tokens, NLL 0)."""
     g = len(actions)
-    if g == 0 or len(observations) != g or len(finished) != g:
-        raise ValueError("actions, observations and finished need one entry per trajectory (G >= 1)")
+    if g == 0 or len(observations) != g or len(finished) != g or (replies is not None and len(replies) != g):
+        raise ValueError("actions, observations, finished (and replies) need one entry per trajectory (G >= 1)")
     pairs = list(combinations(actions, 2))
     last = [a[-1] if a else None for a in actions]
     counts = Counter(last)
@@ -60,12 +68,38 @@ def compute_signals(actions: list[list[str]], observations: list[str], finished:
         "action_entropy": max(0.0, entropy / math.log(g)) if g > 1 else 0.0,
         "obs_unique_ratio": len(set(observations)) / g,
         "termination_fraction": sum(bool(f) for f in finished) / g,
+        # pooled over the group's steps and tokens, so a long prefix weighs more than a short one
+        "invalid_action_fraction": _share(sum(a.startswith(INVALID) for p in actions for a in p),
+                                          sum(len(p) for p in actions)),
+        "reply_nll_mean": -_share(sum(lp for r in replies or () for lp, _ in r), sum(n for r in replies or () for _, n in r)),
     }
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def reply_logprobs(logprobs: Sequence[float], action_mask: Sequence[int],
+                   reply_starts: Sequence[int] | None = None) -> list[tuple[float, int]]:
+    """Per reply, the sum of its tokens' log-probs and its length. A reply starts at each of
+    `reply_starts` (the trajectory's record of them) and runs over generated tokens up to the next
+    start; without `reply_starts`, each maximal run of generated tokens is one reply."""
+    if reply_starts is None:
+        reply_starts = [i for i, m in enumerate(action_mask) if m and (i == 0 or not action_mask[i - 1])]
+    out: list[tuple[float, int]] = []
+    for start, stop in zip(reply_starts, [*reply_starts[1:], len(action_mask)]):
+        total, n = 0.0, 0
+        for i in range(start, stop):
+            if not action_mask[i]:
+                break
+            total, n = total + logprobs[i], n + 1
+        out.append((total, n))
+    return out
 
 
 def command_symbol(command: str | None, action: str | None) -> str:
     """One symbol of the edit distance: the admissible command, or the invalid text marked as such."""
-    return command if command is not None else f"invalid:{action or ''}"
+    return command if command is not None else f"{INVALID}{action or ''}"
 
 
 # the stop reasons an env step sets (at the step that ended the episode); every other one
@@ -76,18 +110,21 @@ ENDED_BY_STEP = ("won", "lost", "max_steps")
 @dataclass(frozen=True)
 class Trace:
     """What the signals read of one trajectory: one action symbol (`command_symbol`) and one
-    observation per env step taken, the first observation, and why it stopped (None: running)."""
+    observation per env step taken, the first observation, why it stopped (None: running), and
+    per reply (sum of log-probs, tokens) (`reply_logprobs`; one per step where a model replied)."""
 
     symbols: Sequence[str]
     observations: Sequence[str]
     initial_observation: str
     stop_reason: str | None
+    replies: Sequence[tuple[float, int]] = ()
 
     @classmethod
     def of(cls, traj: Trajectory) -> "Trace":
         """A trajectory as it stands now (during the rollout: its steps so far)."""
         return cls([command_symbol(s.command, s.action) for s in traj.steps], [s.observation for s in traj.steps],
-                   traj.initial_observation, traj.stop_reason)
+                   traj.initial_observation, traj.stop_reason,
+                   reply_logprobs(traj.logprobs, traj.action_mask, traj.reply_starts))
 
     def finished_by(self, K: int) -> bool:
         """It had finished when step K was taken: it stopped with fewer than K steps, or its step K
@@ -101,10 +138,10 @@ class Trace:
 
 
 def signals_at(traces: Sequence[Trace], K: int) -> dict[str, float]:
-    """The seven signals of a group at step K (K >= 1) from its trajectories' traces: the action
+    """The signals of a group at step K (K >= 1) from its trajectories' traces: the action
     prefixes up to K, the observation after step K (the last one of a shorter trajectory; the
-    first observation before any step) and which had finished by K."""
+    first observation before any step), which had finished by K, and the replies up to K."""
     actions = [list(t.symbols[:K]) for t in traces]
     observations = [t.observations[min(K, len(t.observations)) - 1] if t.observations else t.initial_observation
                     for t in traces]
-    return compute_signals(actions, observations, [t.finished_by(K) for t in traces])
+    return compute_signals(actions, observations, [t.finished_by(K) for t in traces], [list(t.replies[:K]) for t in traces])

@@ -24,7 +24,7 @@ class GateLabel:
     """One group the gate looked at (still running at K) that ran to the end: what it looked like
     at K and how it ended, so a rule that learns can learn from it."""
 
-    signals: Mapping[str, float]  # the group's seven signals at K
+    signals: Mapping[str, float]  # the group's signals at K (rollout.signals)
     zero_variance: bool  # its G final rewards were all equal: the group a cut should remove
     audited: bool  # the rule fired, and the audit let it run on anyway (else: the rule did not fire)
     audit_rate: float  # the share of fired groups the audit lets run (select.gate_audit)
@@ -35,7 +35,7 @@ class GateRule(Protocol):
     """The contract every gate rule keeps:
 
     - `K`: the env step after which it decides (the stage calls `fires` only then).
-    - `fires(signals)`: True = cut the group. `signals` holds the seven signals at K
+    - `fires(signals)`: True = cut the group. `signals` holds the signals at K
       (`agentrl.rollout.signals.SIGNALS`); the answer depends on them and on the rule's state
       only (no randomness: the audit's draw is the stage's), so equal inputs, equal answers.
     - `learn(iteration, labels)`: called once after each iteration (or `agentrl rollout` round)

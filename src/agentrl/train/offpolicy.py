@@ -30,7 +30,7 @@ import torch
 from agentrl.errors import UserError
 from agentrl.io import read_jsonl_numbered
 from agentrl.models import load_model
-from agentrl.rollout.signals import SIGNALS, Trace, signals_at
+from agentrl.rollout.signals import SIGNALS, Trace, reply_logprobs, signals_at
 from agentrl.rollout.trajectory import GroupOutcome
 from agentrl.rollout.signals import command_symbol as action_symbol  # the same symbols as the rollout
 from agentrl.select.cut import gate_rule
@@ -61,6 +61,7 @@ class BufferTrajectory:
     initial_observation: str = ""
     stop_reason: str | None = None
     allowed: list[list[int]] = field(default_factory=list)  # admissible actions: per action token, the ids it was drawn among
+    reply_starts: list[int] | None = None  # where each reply begins (None: a record without them; runs of the mask)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -68,7 +69,8 @@ class BufferTrajectory:
 
     def trace(self) -> Trace:
         """What the signals read of it (needs step records: `symbols` not None)."""
-        return Trace(self.symbols, self.observations, self.initial_observation, self.stop_reason)
+        return Trace(self.symbols, self.observations, self.initial_observation, self.stop_reason,
+                     reply_logprobs(self.logprobs, self.action_mask, self.reply_starts))
 
 
 @dataclass
@@ -161,6 +163,7 @@ def _trajectory(rec: dict, where: str) -> BufferTrajectory:
             logprobs=[float(x) for x in logprobs], symbols=symbols, observations=observations or [],
             initial_observation=str(rec.get("initial_observation", "")), stop_reason=rec.get("stop_reason"),
             allowed=[[int(x) for x in a] for a in rec.get("allowed") or []],
+            reply_starts=[int(x) for x in rec["reply_starts"]] if isinstance(rec.get("reply_starts"), list) else None,
         )
     except (TypeError, ValueError) as e:
         raise UserError(f"{where}: bad value ({e})") from None
