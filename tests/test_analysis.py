@@ -179,3 +179,35 @@ def test_a_table_written_before_issue_49_lacks_two_signals_and_still_reads(tmp_p
     a = analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8)
     assert {r["signal"] for r in a.signals} >= set(PAPER_SIGNALS)
     assert not {r["signal"] for r in a.signals} & {"invalid_action_fraction", "reply_nll_mean"}
+
+
+def test_precision_at_half_the_all_fail_groups(tmp_path):
+    """Constructed, K 5: four all-fail groups (d 0.1, 0.2, 0.6, 0.7), one all-success (0.3), three
+    informative (0.4, 0.5, 0.8). Cutting half the all-fail groups takes d_K < 0.2+: precision 1.0
+    (f1, f2); the d_K row says so, and a signal that is constant cannot reach half without
+    cutting everything (precision 5/8)."""
+    groups = [("f1", 0.1, "0;0"), ("f2", 0.2, "0;0"), ("f3", 0.6, "0;0"), ("f4", 0.7, "0;0"), ("s1", 0.3, "1;1"),
+              ("i1", 0.4, "1;0"), ("i2", 0.5, "0;1"), ("i3", 0.8, "1;0")]
+    a = analyze(write_table(tmp_path / "g.csv", groups, K=5), tmp_path / "out", t_max=30, precision_floor=0.8)
+    row = {r["signal"]: r for r in a.signals}
+    assert row["prefix_edit_distance_mean"]["all_fail_r50_precision"] == 1.0
+    assert 0.2 < row["prefix_edit_distance_mean"]["all_fail_r50_threshold"] <= 0.3
+    assert row["action_entropy"]["all_fail_r50_precision"] == pytest.approx(5 / 8)  # 0.5 everywhere: all or nothing
+
+
+def test_several_tables_are_pooled_and_a_task_in_two_is_refused(tmp_path):
+    """Two chunks of one measurement (disjoint tasks) read as one table: the same numbers as one
+    file holding both; the same task in two tables would count twice and is refused in one line."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    one = analyze(write_table(tmp_path / "g.csv"), tmp_path / "o1", t_max=30, precision_floor=0.8)
+    a = write_table(tmp_path / "a" / "groups.csv", GROUPS[:2])
+    b = write_table(tmp_path / "b" / "groups.csv", GROUPS[2:])
+    two = analyze([a, b], tmp_path / "o2", t_max=30, precision_floor=0.8)
+    same = lambda x, y: json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True)  # noqa: E731 (NaN == NaN)
+    assert same(two.operating, one.operating) and same(two.signals, one.signals) and same(two.sweep, one.sweep)
+    with pytest.raises(UserError, match="t1 is in .* and in"):
+        analyze([a, a], tmp_path / "o3", t_max=30)
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "analyze", str(a), str(b), "--out", str(tmp_path / "o4")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 tables pooled" in " ".join(proc.stdout.split())

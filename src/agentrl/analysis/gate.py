@@ -9,6 +9,7 @@ the groups.csv columns, so tables produced elsewhere can be analysed too.
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,7 +182,8 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
                     "auroc_ci95_low": float(np.quantile(boot, 0.025)) if boot else float("nan"),
                     "auroc_ci95_high": float(np.quantile(boot, 0.975)) if boot else float("nan"),
                     "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
-                    "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best}
+                    "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best,
+                    **cut_at_recall(sub, score, all_fail)}
 
         for name in sub.signals:
             rows.append(score_row(name, np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])))
@@ -199,8 +201,25 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
                      "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"), "auroc_vs_all_success": float("nan"),
                      "best_threshold": best["rule"] if ok else "", "best_cut": best["cut"] if ok else 0,
                      "best_precision": best["precision"] if ok else float("nan"), "best_recall": best["recall"] if ok else float("nan"),
-                     "best_safe_pct": best["safe_pct"] if ok else 0.0})
+                     "best_safe_pct": best["safe_pct"] if ok else 0.0,
+                     "all_fail_r50_threshold": "", "all_fail_r50_precision": float("nan")})
     return rows
+
+
+def cut_at_recall(sub: Table, score: np.ndarray, kind: np.ndarray, recall: float = 0.5) -> dict:
+    """Issue 49's all-fail target read off one score: among the cuts `score < t` that remove at
+    least `recall` of the groups of one kind (all-fail), the one with the highest precision (the
+    share of the cut groups that are zero-variance, as the gate counts it)."""
+    zero, best = ~sub.informative, None
+    if kind.sum():
+        for th in np.unique(score)[1:].tolist() + [float(score.max()) + 1e-9]:
+            cut = score < th
+            if (cut & kind).sum() >= recall * kind.sum():
+                prec = float((cut & zero).sum() / cut.sum())
+                if best is None or prec > best[1]:
+                    best = (th, prec)
+    return {"all_fail_r50_threshold": round(best[0], 6) if best else "",
+            "all_fail_r50_precision": best[1] if best else float("nan")}
 
 
 def best_cut(sub: Table, score: np.ndarray, t_max: int, K: int, precision_floor: float) -> dict:
@@ -362,10 +381,37 @@ class Analysis:
     signals: list[dict]
 
 
-def analyze(groups_csv: Path, out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,
+def pooled(tables: Sequence[Path]) -> Table:
+    """Several groups tables (rollouts of disjoint tasks with one adapter, e.g. chunks of one
+    measurement or calls of several sessions) read as one: the signals they all have, each
+    table's GiGPO mass from its own trajectories.jsonl. A task in two tables is an error: its
+    groups would count twice."""
+    parts = []
+    for path in tables:
+        t = read_groups(path)
+        t.gigpo_sq = read_gigpo_mass(path.parent / "trajectories.jsonl", t)
+        parts.append((path, t))
+    seen: dict[str, Path] = {}
+    for path, t in parts:
+        for task in dict.fromkeys(t.task_id):
+            if task in seen:
+                raise UserError(f"task {task} is in {seen[task]} and in {path}: pool rollouts of disjoint tasks "
+                                "(`agentrl rollout --skip-tasks`)")
+            seen[task] = path
+    if len(parts) == 1:
+        return parts[0][1]
+    names = [n for n in parts[0][1].signals if all(n in t.signals for _, t in parts)]
+    masses = [t.gigpo_sq for _, t in parts]
+    return Table(np.concatenate([t.K for _, t in parts]), {n: np.concatenate([t.signals[n] for _, t in parts]) for n in names},
+                 [r for _, t in parts for r in t.rewards], [x for _, t in parts for x in t.task_id],
+                 [x for _, t in parts for x in t.task_type],
+                 None if any(m is None for m in masses) else np.concatenate(masses))
+
+
+def analyze(groups_csv: Path | Sequence[Path], out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,
             d_L: float | None = None, figure_K: int = 10) -> Analysis:
-    t = read_groups(groups_csv)
-    t.gigpo_sq = read_gigpo_mass(groups_csv.parent / "trajectories.jsonl", t)
+    """Every table of `agentrl analyze` from one groups table or several pooled (`pooled`)."""
+    t = pooled([groups_csv] if isinstance(groups_csv, Path) else list(groups_csv))
     if t_max < 1 or (t.K > t_max).any():
         raise UserError(f"--t-max {t_max} is below the table's largest K ({int(t.K.max())})")
     corr = correlation(t)

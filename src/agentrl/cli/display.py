@@ -327,21 +327,23 @@ def print_analysis(a, groups_csv, out, precision_floor: float) -> None:
 
 def print_signal_table(rows: list[dict], precision_floor: float) -> None:
     """Per K and signal: AUROC [95% bootstrap] (informative vs zero-variance; > 0.5 predicts), the same
-    against all-fail and all-success groups only, and the best cut at the precision floor."""
+    against all-fail and all-success groups only, the best cut at the precision floor, and the
+    highest precision of a cut that removes at least half of the all-fail groups (issue 49's target)."""
     short = {v: k for k, v in _SHORT.items()} | {"or_rule": "d_k OR tau"}
 
     def f(v, fmt=".2f"):
         return "-" if v != v else format(v, fmt)
 
     t = table(f"which signal predicts a zero-variance group (AUROC > 0.5 predicts; best cut at precision >= {precision_floor:g})",
-              ("K", "signal", "AUROC [95% CI]", "vs all-fail", "vs all-success", "best cut", "precision", "safe saving"),
+              ("K", "signal", "AUROC [95% CI]", "vs all-fail", "vs all-success", "best cut", "precision", "safe saving",
+               "precision at all-fail recall 0.5"),
               left=("signal", "best cut"))
     for r in rows:
         t.add_row(str(r["K"]), short.get(r["signal"], r["signal"]),
                   f"{f(r['auroc'])} [{f(r['auroc_ci95_low'])}, {f(r['auroc_ci95_high'])}]" if r["auroc"] == r["auroc"] else "-",
                   f(r["auroc_vs_all_fail"]), f(r["auroc_vs_all_success"]),
                   f"{r['best_cut']} at {r['best_threshold']}" if r["best_cut"] else "none", f(r["best_precision"]),
-                  f"{r['best_safe_pct']:.1f}%")
+                  f"{r['best_safe_pct']:.1f}%", f(r["all_fail_r50_precision"]))
     console.print(t)
 
 

@@ -30,7 +30,7 @@ from agentrl.report import build_report, default_out, tables
 # ---------------------------------------------------------------- analyze
 @app.command("analyze")
 def analyze_cmd(
-    groups_csv: Annotated[Path, typer.Argument(metavar="GROUPS_CSV", help="A groups table (groups.csv from `agentrl rollout`, or the same columns).")],
+    groups_csv: Annotated[list[Path], typer.Argument(metavar="GROUPS_CSV", help="A groups table (groups.csv from `agentrl rollout`, or the same columns); several (rollouts of disjoint tasks, one adapter) are pooled.")],
     out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/analysis"),
     t_max: Annotated[int, typer.Option("--t-max", help="T_max of the rollouts behind the table.")] = 30,
     precision_floor: Annotated[float, typer.Option(help="Pick the operating point with at least this cut precision.")] = 0.8,
@@ -45,7 +45,7 @@ def analyze_cmd(
     if d_l is not None and not 0 <= d_l <= 1:
         raise UserError(f"--d-l must be in [0, 1], got {d_l}")
     a = analyze(groups_csv, out, t_max=t_max, precision_floor=precision_floor, seed=seed, d_L=d_l)
-    print_analysis(a, groups_csv, out, precision_floor)
+    print_analysis(a, groups_csv[0] if len(groups_csv) == 1 else f"{len(groups_csv)} tables pooled", out, precision_floor)
 
 
 # ---------------------------------------------------------------- report, compare

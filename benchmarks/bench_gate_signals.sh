@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 49's signal measurement: ungated rollouts of train tasks disjoint from the warm start's,
+# in chunks (each one `agentrl rollout`, its own groups.csv), then every chunk pooled by
+# `agentrl analyze`: per K and signal the AUROC with its bootstrap interval against all-fail and
+# all-success groups, the best cut at precision 0.8, the precision at half the all-fail groups,
+# and the cross-fitted classifier on every signal together.
+#
+#   bash benchmarks/bench_gate_signals.sh ADAPTER [OUT] [CHUNKS] [CONFIG]
+#
+# ADAPTER: the policy measured (a warm start or a trained adapter); OUT defaults to
+# runs/gate-signals; CHUNKS to 4 (24 tasks x G 8 each); CONFIG to configs/gate-auto.yaml (train
+# games, T_max 30, temperature 0.7, signals at K 3, 5, 10, 15, 20). SKIP (default 120: the warm
+# start's games of configs/learning.yaml) is where the first chunk starts. A chunk with a
+# groups.csv is kept, so the script resumes, and a later call with a larger CHUNKS adds groups to
+# the pool (same adapter). ROUNDS (default 6: 32 rows in lockstep) bounds the memory a chunk holds.
+set -euo pipefail
+ADAPTER=${1:?usage: bench_gate_signals.sh ADAPTER [OUT] [CHUNKS] [CONFIG]}
+OUT=${2:-runs/gate-signals}
+CHUNKS=${3:-4}
+CONFIG=${4:-configs/gate-auto.yaml}
+SKIP=${SKIP:-120}
+AGENTRL=${AGENTRL:-agentrl}
+tables=()
+for i in $(seq 0 $((CHUNKS - 1))); do
+  dir="$OUT/chunk$i"
+  if [ ! -f "$dir/groups.csv" ]; then
+    echo "== chunk $i: train tasks $((SKIP + 24 * i))..$((SKIP + 24 * i + 23))"
+    $AGENTRL rollout --config "$CONFIG" --adapter "$ADAPTER" --gate off --gate-audit 0 \
+      --skip-tasks $((SKIP + 24 * i)) --tasks 24 --rounds "${ROUNDS:-6}" --out "$dir" 2>&1 | grep -v "━"
+  fi
+  tables+=("$dir/groups.csv")
+done
+$AGENTRL analyze "${tables[@]}" --out "$OUT/analyze" --t-max 30
