@@ -9,8 +9,8 @@
 # ADAPTER: a warm start (`agentrl sft`, prompt.reply action) or a trained adapter; OUT defaults to
 # runs/action-space-<time>; CONFIG to configs/learning.yaml (T_max 30, max_new_tokens 32). Every
 # eval writes OUT/<space>/<split>-<half>/ (episodes.jsonl, summary.json): each split runs as two
-# lockstep batches of three task types, because 140 rows at T_max 30 hold more than 18 GB on a
-# CPU in fp32 (docs/measurements/action-space.md); the comparison pools them: OUT/compare/.
+# lockstep batches of three task types, because 140 rows at T_max 30 hold an estimated 20 GB on a
+# CPU in fp32, more than the KV plan (docs/measurements/action-space.md); the comparison pools them: OUT/compare/.
 # SPLITS="valid_seen" limits the splits (default: both, all 140 + 134 games).
 set -euo pipefail
 ADAPTER=${1:?usage: bench_action_space.sh ADAPTER [OUT] [CONFIG]}
