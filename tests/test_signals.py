@@ -80,13 +80,13 @@ def test_invalid_actions_and_reply_nll_pooled_over_the_group():
         compute_signals(acts, ["o"] * 3, [False] * 3, replies[:2])
 
 
-def test_reply_logprobs_one_entry_per_run_of_generated_tokens():
+def test_reply_logprobs_one_entry_per_reply():
     mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1]
     lps = [0.0, 0.0, -0.5, -0.25, 0.0, -2.0, 0.0, 0.0, 0.0, -1.0, -1.0]
-    assert reply_logprobs(lps, mask) == [(-0.75, 2), (-2.0, 1), (-2.0, 3)]
-    assert reply_logprobs([], []) == [] and reply_logprobs([0.0], [0]) == []
+    assert reply_logprobs(lps, mask, [2, 5, 8]) == [(-0.75, 2), (-2.0, 1), (-2.0, 3)]
+    assert reply_logprobs([], [], []) == [] and reply_logprobs([0.0], [0], []) == []
     # signals_at takes the first K replies with the first K actions
-    t = Trace(["a", "invalid:b", "c"], ["o1", "o2", "o3"], "o0", None, reply_logprobs(lps, mask))
+    t = Trace(["a", "invalid:b", "c"], ["o1", "o2", "o3"], "o0", None, reply_logprobs(lps, mask, [2, 5, 8]))
     s = signals_at([t, t], 2)
     assert s["invalid_action_fraction"] == 0.5 and s["reply_nll_mean"] == pytest.approx(2.75 / 3)
 

@@ -80,12 +80,10 @@ def _share(part: float, whole: float) -> float:
 
 
 def reply_logprobs(logprobs: Sequence[float], action_mask: Sequence[int],
-                   reply_starts: Sequence[int] | None = None) -> list[tuple[float, int]]:
+                   reply_starts: Sequence[int]) -> list[tuple[float, int]]:
     """Per reply, the sum of its tokens' log-probs and its length. A reply starts at each of
     `reply_starts` (the trajectory's record of them) and runs over generated tokens up to the next
-    start; without `reply_starts`, each maximal run of generated tokens is one reply."""
-    if reply_starts is None:
-        reply_starts = [i for i, m in enumerate(action_mask) if m and (i == 0 or not action_mask[i - 1])]
+    start (replies may touch: the mask alone cannot tell them apart)."""
     out: list[tuple[float, int]] = []
     for start, stop in zip(reply_starts, [*reply_starts[1:], len(action_mask)]):
         total, n = 0.0, 0

@@ -61,7 +61,7 @@ class BufferTrajectory:
     initial_observation: str = ""
     stop_reason: str | None = None
     allowed: list[list[int]] = field(default_factory=list)  # admissible actions: per action token, the ids it was drawn among
-    reply_starts: list[int] | None = None  # where each reply begins (None: a record without them; runs of the mask)
+    reply_starts: list[int] | None = None  # where each reply begins (None: a record without them; `spans` then)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -70,7 +70,8 @@ class BufferTrajectory:
     def trace(self) -> Trace:
         """What the signals read of it (needs step records: `symbols` not None)."""
         return Trace(self.symbols, self.observations, self.initial_observation, self.stop_reason,
-                     reply_logprobs(self.logprobs, self.action_mask, self.reply_starts))
+                     reply_logprobs(self.logprobs, self.action_mask,
+                                    self.reply_starts if self.reply_starts is not None else [a for a, _ in self.spans]))
 
 
 @dataclass
