@@ -140,3 +140,24 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     generator = Generator(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
     assert generator.slice_size(140, 30) == 10 and generator.slice_size(8, 30) is None
     assert Generator(cfg, walkthrough=True).slice_size(140, 30) is None
+
+
+def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games):
+    """summary.json's memory block: the rows stepped together, the KV plan for them, the store at
+    its peak (slots x capacity x bytes per token), this process's peak resident memory; none for a
+    walkthrough eval (no model)."""
+    from agentrl.config import load_config
+    from agentrl.evaluate import summary
+    from agentrl.rollout.generator import Generator
+    from agentrl.sampling.hf import HFSampler
+
+    cfg = load_config(None, {"env.workers": 0})
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
+    with Generator(cfg, HFSampler(tiny_model, tokenizer)) as gen:
+        memory = summary(gen.evaluate(chosen, "valid_seen", 2), cfg)["memory"]
+    assert memory["rows_together"] == 2 and memory["kv_peak_slots"] == 2
+    assert memory["kv_peak_bytes"] == 2 * memory["kv_peak_capacity"] * memory["kv_bytes_per_token"] > 0
+    assert memory["kv_planned_bytes"] == 2 * memory["tokens_per_row_planned"] * memory["kv_bytes_per_token"]
+    assert memory["peak_rss_bytes"] > memory["kv_peak_bytes"] and memory["env_workers_peak_rss_bytes"] == 0
+    with Generator(load_config(None, {"env.workers": 0, "eval.policy": "walkthrough"}), walkthrough=True) as gen:
+        assert gen.evaluate(chosen, "valid_seen", 2).memory is None

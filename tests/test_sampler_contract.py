@@ -260,6 +260,8 @@ def test_the_protocol_is_whole(sampler):
     from agentrl.sampling.base import Sampler
 
     assert isinstance(sampler, Sampler)
+    memory = sampler.kv_memory()
+    assert memory is None or memory["peak_bytes"] >= 0
     sampler.release(["never-seen"])
     sampler.sleep()
     sampler.close()

@@ -39,6 +39,7 @@ def summary(result: EvalResult, cfg: Config) -> dict:
             "s_per_env_step": stats.wall_s / max(1, stats.env_steps),
             "s_per_task": stats.wall_s / max(1, len(trajs)),
         },
+        **({"memory": result.memory} if result.memory else {}),
         "errors": [{"task_id": t.game.game_id, "error": t.error} for t in trajs if t.error],
         **({"walkthroughs": walkthrough_outcomes(result)} if cfg.eval.policy == "walkthrough" else {}),
     }

@@ -111,6 +111,8 @@ def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: 
 class _Batches:
     """The blocking calls, the same for envs in this process and in a pool: submit, then collect."""
 
+    pids: tuple[int, ...] | list[int] = ()  # worker processes on this machine (none: envs in this process, or on Ray)
+
     def reset_all(self, games: list[tuple[int, Game]]) -> list[StepResult | EnvFailure]:
         return self.collect(self.submit("reset", games))
 

@@ -39,6 +39,7 @@ from agentrl.rollout.lockstep import (LockstepConfig, ModelPolicy, Progress, Rol
 from agentrl.rollout.trajectory import Trajectory, behaviour_metrics, played, played_or_stop
 from agentrl import sampling  # sampling.make_sampler looked up at call time: tests script the sampler there
 from agentrl.sampling.base import Sampler, SamplingParams
+from agentrl.sampling.budget import peak_rss_bytes
 from agentrl.stats import bootstrap_mean, wilson
 from agentrl.weights import WeightsRef
 
@@ -61,6 +62,7 @@ class EvalResult:
     samples: int = 0  # N episodes per game sampled at the training temperature; 0: one greedy episode
     seed: int = 0
     elapsed_s: float = 0.0  # the whole evaluation, policy construction included
+    memory: dict | None = None  # what it planned and held (`Generator.memory`); None for a walkthrough eval
 
     @cached_property
     def overall(self) -> dict:
@@ -164,8 +166,25 @@ class Generator:
         run = LockstepConfig(max_steps, self.cfg.env.fuzzy_threshold, per_game)
         rollout = run_in_slices(games, size and max(1, size // per_game), policy, run, self.envs, Progress(on_step, on_reset))
         played_or_stop(rollout.trajectories, f"{what}, nothing was evaluated")
+        memory = self.memory(min(size or len(games) * per_game, len(games) * per_game), max_steps)
         return EvalResult(split, max_steps, rollout.trajectories, rollout.stats, samples, self.cfg.seed,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, memory)
+
+    def memory(self, rows: int, max_steps: int) -> dict | None:
+        """What an evaluation of `rows` episodes stepped together planned and held: the KV plan
+        (rows x the expected tokens per row), the sampler's KV store at its peak, and the peak
+        resident memory of this process and of the env workers (VmHWM: the whole run so far).
+        Written to summary.json, so the plan can be checked against what a run held."""
+        if self.sampler is None:
+            return None
+        kv = self.sampler.kv_memory()
+        out = {"rows_together": rows, "peak_rss_bytes": peak_rss_bytes(),
+               "env_workers_peak_rss_bytes": sum(peak_rss_bytes(p) for p in self.envs.pids)}
+        if kv is not None:
+            tokens = expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer)
+            out |= {"kv_planned_bytes": rows * tokens * kv["bytes_per_token"], "tokens_per_row_planned": tokens,
+                    **{f"kv_{k}": v for k, v in kv.items()}}
+        return out
 
     def slice_size(self, rows: int, max_steps: int) -> int | None:
         """Episodes an evaluation steps together: all (None), or as many as the sampler's KV budget

@@ -100,6 +100,12 @@ class Sampler(Protocol):
         steps that many games together); None where the backend manages its own (vLLM, replicas)."""
         ...
 
+    def kv_memory(self) -> dict | None:
+        """What the sampler's KV memory held so far: budget_bytes, peak_bytes, the (slots, capacity)
+        at the peak, bytes_per_token, caches dropped under the budget; None where the backend manages
+        its own (vLLM, replicas). An eval's summary.json records it beside its plan."""
+        ...
+
     def release(self, keys: list) -> None:
         """The sequences named by `keys` are over (their trajectories ended): a backend that keeps
         per-key state (the hf sampler's KV slots) frees it at once. A no-op where there is none."""

@@ -49,5 +49,17 @@ def kv_budget_bytes(value, device: torch.device) -> int:
     return max(1 << 28, int(AUTO_SHARE * (free - AUTO_RESERVE_BYTES)))
 
 
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """The largest resident memory a process has held so far (Linux VmHWM; 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def gb(n) -> str:
     return f"{n / (1 << 30):.2f}" if n is not None else "none"

@@ -229,6 +229,12 @@ class HFSampler:
         """How many sequences of `tokens_per_row` tokens the KV budget holds at once."""
         return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
 
+    def kv_memory(self) -> dict:
+        s = self.store
+        slots, capacity = s.storage.peak_shape
+        return {"budget_bytes": s.budget, "peak_bytes": s.peak_bytes, "peak_slots": slots, "peak_capacity": capacity,
+                "bytes_per_token": s.bytes_per_token, "dropped": s.dropped}
+
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
         """The Sampler contract (base.py). `request.key` names the sequence the prompt continues (e.g.

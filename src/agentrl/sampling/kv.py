@@ -124,6 +124,7 @@ class KVStorage:
         self.slots = 0  # rows of every buffer
         self.capacity = 0  # token positions of every row
         self.peak_bytes = 0
+        self.peak_shape = (0, 0)  # (slots, capacity) when the store was largest
         self.pinned = False  # a batch is running: the buffers must not change
         self.generation = 0  # bumped whenever the buffers are reallocated (captured graphs hold their addresses)
 
@@ -163,7 +164,8 @@ class KVStorage:
                         bufs.append(new)
         self.slots, self.capacity = slots, capacity
         self.generation += 1
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        if self.nbytes > self.peak_bytes:
+            self.peak_bytes, self.peak_shape = self.nbytes, (slots, capacity)
 
     def write_read(self, meta: ForwardMeta, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """Write one layer's new keys and values where `meta` says, return the rows' first kv_len positions."""

@@ -137,6 +137,10 @@ class ReplicatedSampler:
     def sleep(self) -> None:
         self._get([r.sleep.remote() for r in self.replicas], "sleep")
 
+    def kv_memory(self) -> None:
+        """Each replica holds its own KV memory."""
+        return None
+
     def rows_that_fit(self, tokens_per_row: int) -> None:
         """Each replica holds its own KV memory; the split by task decides the rows each gets."""
         return None

@@ -165,6 +165,10 @@ class VLLMSampler:
     def release(self, keys) -> None:
         """Nothing to free: vLLM's prefix cache manages its own blocks."""
 
+    def kv_memory(self) -> None:
+        """vLLM schedules its own KV blocks."""
+        return None
+
     def rows_that_fit(self, tokens_per_row: int) -> None:
         """vLLM schedules its own KV blocks."""
         return None
