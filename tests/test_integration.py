@@ -138,6 +138,19 @@ def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
     assert rows and set(["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"]) <= set(rows[0])
     assert {int(r["K"]) for r in rows} == {5}  # K rows beyond T_max are not written
     assert {r["task_id"] for r in rows} == {b["task_id"] for b in arms["baseline"]}
+    # --tier1-baseline: the gated arm alone, paired with the baseline just written, reports what --tier1-ab did
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "rollout", "--tier1-baseline", str(out / "baseline"), "--split", "valid_seen",
+         "--tasks", "2", "-G", "2", "--max-steps", "5", "--gate", "2,0.6", "--gate-or-tau", "0", "--max-new-tokens", "32",
+         "--out", str(tmp_path / "gated-only")],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    alone = json.loads((tmp_path / "gated-only" / "tier1.json").read_text())
+    assert alone["rows_matching_baseline"] == [4, 4]
+    for key in ("groups_cut", "cuts_correct", "baseline_zero_variance_groups", "step_token_saving", "oracle_step_token_saving"):
+        assert alone[key] == report[key], key
+    assert alone["gated"]["step_tokens_total"] == report["gated"]["step_tokens_total"]
 
 
 def test_train_on_real_games_then_report(tmp_path, default_model_dir, data_root):

@@ -1,7 +1,10 @@
 """`agentrl rollout`: B tasks x G trajectories with the gate; trajectories.jsonl + groups.csv.
 
 `--tier1-ab` (the paper's Tier 1): the same tasks twice with the same seeds, baseline (no
-gate) and gated, and the Table 3 analogue comparing the two arms.
+gate) and gated, and the Table 3 analogue comparing the two arms. `--tier1-baseline DIR` rolls
+only the gated arm and pairs it with an earlier ungated rollout of the same tasks and seed (e.g. a
+chunk of `benchmarks/bench_gate_signals.sh`), so a signal table's rollouts are not paid twice.
+Both read the same per-group records (`rollout_summary`), so one report serves both.
 """
 
 from __future__ import annotations
@@ -37,15 +40,24 @@ def prepare_rollout(cfg: Config) -> tuple[list, Generator]:
     return games, Generator(cfg)
 
 
-def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: bool = False, progress=None):
-    """`agentrl rollout`: the gated rollout (or, with `tier1_ab`, the Tier 1 A/B) written into
-    `out`; returns the Rollout (or the Tier1). The generator is closed when done."""
+def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: bool = False, progress=None,
+                tier1_baseline: Path | None = None):
+    """`agentrl rollout`: the gated rollout (or, with `tier1_ab`, the Tier 1 A/B; with
+    `tier1_baseline`, the gated arm paired with that earlier ungated rollout: `tier1_against`)
+    written into `out`; returns the Rollout (or the Tier1). The generator is closed when done."""
     gate = cfg.rollout.parsed_gate()
     with generator:
         if not tier1_ab:
-            rollout = roll_rounds(cfg, games, generator, make_cut_stage(cfg, gate), progress)
-            write_rollout(rollout, out, cfg.rollout.signal_steps)
-            return rollout
+            stage = make_cut_stage(cfg, gate)
+            rollout = roll_rounds(cfg, games, generator, stage, progress)
+            write_rollout(rollout, out, cfg.rollout.signal_steps, stage.rule.report() if stage is not None else None)
+            if tier1_baseline is None:
+                return rollout
+            summary = json.loads((out / "summary.json").read_text())
+            result = Tier1(None, rollout, tier1_against(tier1_baseline, summary, out, gate, cfg.seed))
+            atomic_write_json(out / "tier1.json", result.report)
+            atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
+            return result
         result = run_tier1(cfg, games, generator, gate, progress)
     for name, r in (("baseline", result.baseline), ("gated", result.gated)):
         write_rollout(r, out / name, cfg.rollout.signal_steps)
@@ -99,7 +111,8 @@ def groups_table(rollout: Rollout) -> list[dict]:
     return rows
 
 
-def write_rollout(rollout: Rollout, out: Path, signal_steps) -> None:
+def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict | None = None) -> None:
+    """trajectories.jsonl, groups.csv and summary.json (`gate_report`: what an auto gate learned)."""
     lines = []
     for g in rollout.groups:
         for t in g.trajectories:
@@ -110,7 +123,7 @@ def write_rollout(rollout: Rollout, out: Path, signal_steps) -> None:
     writer.writeheader()
     writer.writerows(r for r in groups_table(rollout) if r["K"] in set(signal_steps))
     atomic_write_text(out / "groups.csv", buf.getvalue())
-    atomic_write_json(out / "summary.json", rollout_summary(rollout))
+    atomic_write_json(out / "summary.json", rollout_summary(rollout) | ({"gate": gate_report} if gate_report else {}))
 
 
 def rollout_summary(rollout: Rollout) -> dict:
@@ -121,11 +134,12 @@ def rollout_summary(rollout: Rollout) -> dict:
         "groups_cut": sum(g.cut for g in groups),
         "zero_variance_groups": sum(g.zero_variance for g in groups),
         "success_rate": float(np.mean([t.reward for t in rollout.trajectories])),
+        "won": sum(t.won for t in rollout.trajectories),
         "wall_s": s.wall_s, "generate_s": s.generate_s, "env_s": s.env_s,
         "env_steps": s.env_steps, "step_tokens": s.step_tokens,
         "per_group": [
             {"task_id": g.game.game_id, "task_type": g.game.task_type, "rewards": g.rewards, "cut": g.cut,
-             "cut_step": g.cut_step, "env_steps": g.env_steps, "step_tokens": g.step_tokens,
+             "audited": g.audited, "cut_step": g.cut_step, "env_steps": g.env_steps, "step_tokens": g.step_tokens,
              "generate_s": g.generate_s, "env_s": g.env_s, "cost_s": g.cost_s, "wall_s": g.wall_s}
             for g in groups
         ],
@@ -135,42 +149,54 @@ def rollout_summary(rollout: Rollout) -> dict:
 # ---------------------------------------------------------------- Tier 1 A/B
 @dataclass
 class Tier1:
-    baseline: Rollout
+    baseline: Rollout | None  # None: paired with an earlier rollout's directory (--tier1-baseline)
     gated: Rollout
     report: dict
 
 
-def tier1_report(baseline: Rollout, gated: Rollout, gate: GateSpec, seed: int, resamples: int = 1000) -> dict:
-    """Table 3 analogue. A cut is correct when the matched baseline group is zero-variance."""
-    pairs = list(zip(baseline.groups, gated.groups))
-    assert all(b.game.game_id == g.game.game_id for b, g in pairs)
+def tier1_report(baseline: dict, gated: dict, gate: GateSpec | str, seed: int, resamples: int = 1000,
+                 oracle_tokens: int | None = None) -> dict:
+    """Table 3 analogue of two `rollout_summary` records of the same tasks in the same order. A cut
+    is correct when the matched baseline group is zero-variance (all G rewards equal). The oracle
+    cuts exactly those groups at K: it saves their step-tokens after K (`oracle_tokens`, from the
+    baseline's rows: `oracle_saved_tokens`), which bounds what any gate at K can save."""
+    pairs = list(zip(baseline["per_group"], gated["per_group"]))
+    assert len(baseline["per_group"]) == len(gated["per_group"]) and all(b["task_id"] == g["task_id"] for b, g in pairs)
 
-    def arm(r: Rollout) -> dict:
-        cost = [g.cost_s for g in r.groups]
+    def arm(r: dict) -> dict:
+        cost = [g["cost_s"] for g in r["per_group"]]
         return {
-            "wall_s": r.stats.wall_s, "task_cost_s_total": float(np.sum(cost)), "task_cost_s_mean": float(np.mean(cost)),
-            "step_tokens_total": r.stats.step_tokens, "step_tokens_mean": r.stats.step_tokens / len(r.groups),
-            "env_steps": r.stats.env_steps, "groups_cut": sum(g.cut for g in r.groups),
-            "success_rate": float(np.mean([t.reward for t in r.trajectories])),
+            "wall_s": r["wall_s"], "task_cost_s_total": float(np.sum(cost)), "task_cost_s_mean": float(np.mean(cost)),
+            "step_tokens_total": r["step_tokens"], "step_tokens_mean": r["step_tokens"] / len(cost),
+            "env_steps": r["env_steps"], "groups_cut": sum(g["cut"] for g in r["per_group"]),
+            "success_rate": r["success_rate"],
             # over trajectories (a group's G share a task: read it as a rough interval)
-            "success_ci95": list(wilson(sum(t.won for t in r.trajectories), len(r.trajectories)) or (0.0, 0.0)),
-            "groups_audited": sum(g.audited for g in r.groups),
+            "success_ci95": list(wilson(r["won"], r["trajectories"]) or (0.0, 0.0)),
+            "groups_audited": sum(g.get("audited", False) for g in r["per_group"]),
         }
 
+    def zero(g: dict) -> bool:
+        return len(set(g["rewards"])) <= 1
+
     base, gate_arm = arm(baseline), arm(gated)
-    cut = [(b, g) for b, g in pairs if g.cut]
-    correct = sum(b.zero_variance for b, _ in cut)
-    base_cost = np.array([b.cost_s for b, _ in pairs])
-    gated_cost = np.array([g.cost_s for _, g in pairs])
+    cut = [(b, g) for b, g in pairs if g["cut"]]
+    correct = sum(zero(b) for b, _ in cut)
+    base_cost = np.array([b["cost_s"] for b, _ in pairs])
+    gated_cost = np.array([g["cost_s"] for _, g in pairs])
+    base_tokens = np.array([b["step_tokens"] for b, _ in pairs], dtype=float)
+    gated_tokens = np.array([g["step_tokens"] for _, g in pairs], dtype=float)
 
     def saving(b, g, axis=-1):
         return 1.0 - np.sum(g, axis=axis) / np.sum(b, axis=axis)
 
-    ci = (float("nan"), float("nan"))
-    if len(pairs) >= 2:
-        res = sps.bootstrap((base_cost, gated_cost), saving, paired=True, vectorized=True, n_resamples=resamples,
+    def interval(b, g) -> tuple[float, float]:
+        if len(pairs) < 2 or not np.sum(b):
+            return float("nan"), float("nan")
+        res = sps.bootstrap((b, g), saving, paired=True, vectorized=True, n_resamples=resamples,
                             confidence_level=0.95, method="percentile", rng=np.random.default_rng(seed))
-        ci = (float(res.confidence_interval.low), float(res.confidence_interval.high))
+        return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+    informative_cut = [b for b, _ in cut if not zero(b)]
     return {
         "gate": str(gate), "tasks": len(pairs), "seed": seed,
         "baseline": base, "gated": gate_arm,
@@ -182,13 +208,74 @@ def tier1_report(baseline: Rollout, gated: Rollout, gate: GateSpec, seed: int, r
         "groups_cut": len(cut),
         "cuts_correct": correct,
         "cut_precision": correct / len(cut) if cut else None,
-        "baseline_zero_variance_groups": sum(b.zero_variance for b, _ in pairs),
+        "cut_precision_ci95": list(wilson(correct, len(cut))) if cut else None,
+        "informative_groups_cut": len(informative_cut),
+        "baseline_zero_variance_groups": sum(zero(b) for b, _ in pairs),
         "identical_work": len(cut) == 0 and base["step_tokens_total"] == gate_arm["step_tokens_total"]
         and base["env_steps"] == gate_arm["env_steps"],
         "wall_saving": float(saving(base_cost, gated_cost)),
-        "wall_saving_ci95": ci,
+        "wall_saving_ci95": interval(base_cost, gated_cost),
+        "step_token_saving": float(saving(base_tokens, gated_tokens)),
+        "step_token_saving_ci95": interval(base_tokens, gated_tokens),
+        "oracle_step_token_saving": oracle_tokens / max(1, base["step_tokens_total"]) if oracle_tokens is not None else None,
         "bootstrap": {"resamples": resamples, "unit": "task", "statistic": "1 - sum(gated task cost) / sum(baseline task cost)"},
     }
+
+
+def tier1_against(baseline_dir: Path, gated: dict, gated_dir: Path, gate: GateSpec | str, seed: int) -> dict:
+    """The Tier 1 report of a gated rollout (`gated`: its summary; `gated_dir`: where it was written)
+    against an earlier ungated rollout in `baseline_dir` of the same tasks, in the same order, and
+    the same seed. The tasks and G are checked (one line refuses a mismatch); the seed is not
+    recorded, so the report says how many rows took the same actions as their baseline row over
+    the steps both ran (all of them, under the same seed, weights and numerics)."""
+    base = read_rollout_summary(baseline_dir)
+    if base["groups_cut"]:
+        raise UserError(f"--tier1-baseline {baseline_dir}: {base['groups_cut']} of its groups were cut; the baseline must be ungated (--gate off)")
+    ids_b, ids_g = [g["task_id"] for g in base["per_group"]], [g["task_id"] for g in gated["per_group"]]
+    if ids_b != ids_g:
+        raise UserError(f"--tier1-baseline {baseline_dir}: not the same tasks in the same order ({len(ids_b)} groups there, "
+                        f"{len(ids_g)} here; first difference at group {next((i for i, (a, b) in enumerate(zip(ids_b, ids_g)) if a != b), min(len(ids_b), len(ids_g)))}); "
+                        "give the same --split, --skip-tasks and --tasks")
+    if base["trajectories"] != gated["trajectories"]:
+        raise UserError(f"--tier1-baseline {baseline_dir}: G differs ({base['trajectories']} trajectories there, {gated['trajectories']} here)")
+    if "won" not in base:  # written before summaries counted wins: from its trajectories
+        base["won"] = sum(r["won"] for r in _records(baseline_dir))
+    same = sum(b["actions"][:len(g["actions"])] == g["actions"][:len(b["actions"])]
+               for b, g in zip(_records(baseline_dir), _records(gated_dir)))
+    K = gate.K if isinstance(gate, GateSpec) else int(str(gate).split(",")[0])
+    report = tier1_report(base, gated, gate, seed, oracle_tokens=oracle_saved_tokens(_records(baseline_dir), K))
+    if gated.get("gate"):
+        report["auto"] = gated["gate"]
+    return report | {"baseline_dir": str(baseline_dir), "rows_matching_baseline": [int(same), gated["trajectories"]]}
+
+
+def oracle_saved_tokens(rows, K: int) -> int:
+    """Step-tokens after step K of the zero-variance groups (the oracle's cut): `rows` are trajectory
+    records (task_id, reward, step_tokens), a group being the rows of one task."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["task_id"], []).append(r)
+    return sum(sum(n for r in g for n in r["step_tokens"][K:]) for g in groups.values()
+               if len({r["reward"] for r in g}) <= 1)
+
+
+def read_rollout_summary(path: Path) -> dict:
+    """An `agentrl rollout` directory's summary.json (one line refuses anything else)."""
+    f = path / "summary.json"
+    try:
+        s = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {f}: {e.__class__.__name__} (give an `agentrl rollout` output directory)") from None
+    if not isinstance(s, dict) or "per_group" not in s:
+        raise UserError(f"{f} is not an `agentrl rollout` summary (no per_group records)")
+    return s
+
+
+def _records(path: Path):
+    with (path / "trajectories.jsonl").open() as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
 
 
 def tier1_markdown(rep: dict) -> str:
@@ -214,6 +301,10 @@ def tier1_markdown(rep: dict) -> str:
         f"Zero-variance groups in the baseline: {rep['baseline_zero_variance_groups']}/{rep['tasks']}.",
         f"Task-time saving {100 * rep['wall_saving']:.1f}%, 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%] "
         f"(percentile bootstrap, {rep['bootstrap']['resamples']} task resamples, seeded).",
+        *([_token_line(rep)] if "step_token_saving" in rep else []),
+        *([f"Paired with the ungated rollout in {rep['baseline_dir']}: {rep['rows_matching_baseline'][0]} of "
+           f"{rep['rows_matching_baseline'][1]} rows took the same actions as their baseline row over the steps both ran."]
+          if rep.get("baseline_dir") else []),
         *([
             "",
             _auto_line(rep["auto"]),
@@ -225,6 +316,17 @@ def tier1_markdown(rep: dict) -> str:
         ] if rep.get("identical_work") else []),
         "",
     ])
+
+
+def _token_line(rep: dict) -> str:
+    lo, hi = rep["step_token_saving_ci95"]
+    oracle = rep.get("oracle_step_token_saving")
+    return (f"Step-token saving {100 * rep['step_token_saving']:.1f}%, 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%]"
+            + (f"; the oracle (every zero-variance group cut at K) saves {100 * oracle:.1f}%, so the gate took "
+               f"{100 * rep['step_token_saving'] / oracle:.0f}% of it" if oracle else "")
+            + f". Informative groups cut: {rep.get('informative_groups_cut', 0)}"
+            + (f"; cut precision 95% Wilson [{100 * rep['cut_precision_ci95'][0]:.0f}%, {100 * rep['cut_precision_ci95'][1]:.0f}%]."
+               if rep.get("cut_precision_ci95") else "."))
 
 
 def _pct_ci(arm: dict) -> str:
@@ -248,7 +350,9 @@ def run_tier1(cfg: Config, games, generator: Generator, gate: GateSpec, progress
     baseline = roll_rounds(cfg, games, generator, None, progress, "baseline")
     stage = make_cut_stage(cfg, gate)
     gated = roll_rounds(cfg, games, generator, stage, progress, "gated")
-    report = tier1_report(baseline, gated, gate, cfg.seed)
+    oracle = oracle_saved_tokens(({"task_id": g.game.game_id, "reward": t.reward, "step_tokens": t.step_tokens}
+                                  for g in baseline.groups for t in g.trajectories), gate.K)
+    report = tier1_report(rollout_summary(baseline), rollout_summary(gated), gate, cfg.seed, oracle_tokens=oracle)
     if (learned := stage.rule.report()) is not None:  # the auto gate: the d_L it ended with, its labels, its audit
         report["auto"] = learned
     return Tier1(baseline, gated, report)

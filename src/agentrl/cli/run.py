@@ -78,6 +78,7 @@ def rollout_cmd(
     gate: opt(OptStr, "rollout.gate", "K,d_L (default 10,0.12), K,auto (d_L fitted between --rounds; needs --gate-audit) or off.") = None,
     gate_or_tau: GateOrTauOpt = None,
     tier1_ab: opt(bool, None, "Baseline vs gated on the same tasks and seeds (Tier 1).", "--tier1-ab") = False,
+    tier1_baseline: opt(Optional[Path], None, "Tier 1 against this earlier ungated rollout of the same tasks and seed: only the gated arm runs.", "--tier1-baseline") = None,
     rounds: opt(OptInt, "rollout.rounds", "Roll the tasks in this many consecutive lockstep rounds (fewer rows held at once; an auto gate re-fits between rounds).") = None,
     gate_audit: opt(OptFloat, "select.gate_audit", "Share of the groups the gate would cut that run on anyway: their outcome measures the gate (an auto gate needs it).") = None,
     verify_logprobs: opt(OptBool, "rollout.verify_logprobs", "Then teacher-force every trajectory written through the learner's log-prob path: print the largest, p99.9 and mean |sampler - learner| gap over action tokens, write verify_logprobs.json, exit 1 above the tolerance.", "--verify-logprobs/--no-verify-logprobs") = None,
@@ -102,8 +103,14 @@ def rollout_cmd(
 
     cfg = load_config(config, overrides(rollout_cmd, locals()))
     the_gate = cfg.rollout.parsed_gate()
-    if tier1_ab and the_gate is None:
-        raise UserError("--tier1-ab compares no gate with a gate: give --gate K,d_L")
+    if (tier1_ab or tier1_baseline) and the_gate is None:
+        raise UserError(f"{'--tier1-ab' if tier1_ab else '--tier1-baseline'} compares no gate with a gate: give --gate K,d_L")
+    if tier1_ab and tier1_baseline:
+        raise UserError("--tier1-ab runs its own baseline: give it or --tier1-baseline, not both")
+    if tier1_baseline is not None:
+        from agentrl.collect import read_rollout_summary
+
+        read_rollout_summary(tier1_baseline)  # refused before the model loads
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     t_max = cfg.t_max("rollout")
     with err.status("loading model"):
@@ -120,11 +127,16 @@ def rollout_cmd(
 
             return on_step, on_reset
 
-        result = rollout = run_rollout(cfg, games, generator, out, tier1_ab, progress)
+        result = rollout = run_rollout(cfg, games, generator, out, tier1_ab, progress, tier1_baseline)
     del generator  # closed: its weights and KV store go before a log-prob check loads the learner's
     if tier1_ab:
         console.print(tier1_markdown(result.report))
         console.print(f"wrote {out}/tier1.json, {out}/tier1.md, {out}/baseline/ and {out}/gated/")
+    elif tier1_baseline is not None:
+        rollout = result.gated
+        print_rollout(rollout, the_gate)
+        console.print(tier1_markdown(result.report))
+        console.print(f"wrote {out / 'trajectories.jsonl'}, {out / 'groups.csv'}, {out}/tier1.json and {out}/tier1.md")
     else:
         print_rollout(rollout, the_gate)
         console.print(f"wrote {out / 'trajectories.jsonl'} and {out / 'groups.csv'}")
