@@ -46,6 +46,11 @@ def test_the_report_by_hand():
     assert rep["cut_precision_ci95"][0] < 0.5 < rep["cut_precision_ci95"][1]
     text = tier1_markdown(rep)
     assert "Step-token saving 30.0%" in text and "saves 45.0%" in text and "took 67% of it" in text
+    # what a classifier gate (K,auto:S1+S2) reports at the end reads as one line
+    from agentrl.select.classifier_gate import ClassifierGate
+
+    gate = ClassifierGate(3, ["prefix_edit_distance_mean", "obs_unique_ratio"])
+    assert "Classifier gate on 2 signals: at the end nothing cut (fitted on 0 labelled groups" in tier1_markdown(rep | {"auto": gate.report()})
 
 
 def test_the_oracle_cuts_the_zero_variance_groups_after_K():
