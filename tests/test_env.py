@@ -140,6 +140,11 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     generator = Generator(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
     assert generator.slice_size(140, 30) == 10 and generator.slice_size(8, 30) is None
     assert Generator(cfg, walkthrough=True).slice_size(140, 30) is None
+    # admissible actions: every step brings a real observation, so rows are planned longer and fewer fit
+    admissible = load_config(None, {"env.workers": 0, "sampling.action_space": "admissible"})
+    assert expected_context_tokens(admissible, 30, tokenizer) - expected_context_tokens(cfg, 30, tokenizer) == (84 - 56) * 30
+    longer = expected_context_tokens(admissible, 30, tokenizer) / expected_context_tokens(cfg, 30, tokenizer)
+    assert Generator(admissible, generator.sampler).slice_size(140, 30) == int(10.5 / longer) < 10
 
 
 def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games):

@@ -11,9 +11,14 @@ from agentrl.prompt import ChatRenderer
 from agentrl.sampling.budget import gb, kv_budget_bytes
 from agentrl.sampling.compat import kv_bytes_per_token
 
-# a rollout step adds the reply and the next observation: about 52 tokens on ALFWorld (measured:
-# ~400 tokens at step 1, ~1.9k at step 30 with the default model); the up-front estimate uses 56
-TOKENS_PER_STEP = 56
+# Tokens a rollout step adds (the reply and the next observation), by sampling.action_space. The
+# KV store's capacity is its longest row's, so the estimate is the longest row's, not the mean's.
+# Free text: ~400 tokens at step 1, ~1.9k at step 30 with the default model; the longest of 61
+# greedy valid_unseen rows fit in 2,048 at T_max 30 (56 per step: 2,201). Admissible actions: every
+# command is valid, so every step brings a real observation instead of "Nothing happens.": the
+# longest of 73 valid_unseen rows held up to 2,944 tokens at T_max 30 (81 per step; 2026-11-27,
+# docs/measurements/action-space.md), which the free-text estimate put at 2,201 (its KV 34% over plan).
+TOKENS_PER_STEP = {"free": 56, "admissible": 84}
 
 # an ALFWorld opening of typical length (a kitchen), for estimates made before any game is loaded
 TYPICAL_FIRST_OBSERVATION = (
@@ -26,10 +31,11 @@ TYPICAL_FIRST_OBSERVATION = (
 
 def expected_context_tokens(cfg, max_steps: int, tokenizer) -> int:
     """Tokens one trajectory is expected to hold at its end: the rendered opening prompt (the run's
-    prompt settings, a typical first observation) plus TOKENS_PER_STEP per step and one reply's room."""
+    prompt settings, a typical first observation) plus TOKENS_PER_STEP (of the run's action space)
+    per step and one reply's room."""
     messages = prompt_messages(cfg.env.kind, cfg.prompt)("pick_and_place_simple", TYPICAL_FIRST_OBSERVATION, cfg.prompt.dir)
     opening = len(ChatRenderer(tokenizer).initial(messages))
-    return opening + TOKENS_PER_STEP * max_steps + cfg.sampling.max_new_tokens
+    return opening + TOKENS_PER_STEP[cfg.sampling.action_space] * max_steps + cfg.sampling.max_new_tokens
 
 
 def check_kv_fits(cfg, rows: int, max_steps: int, what: str) -> None:
