@@ -132,7 +132,7 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     from agentrl.config import load_config
     from agentrl.rollout.generator import Generator
     from agentrl.sampling.hf import HFSampler
-    from agentrl.rollout.plan import expected_context_tokens
+    from agentrl.rollout.plan import TOKENS_PER_STEP, expected_context_tokens
     from agentrl.sampling.compat import kv_bytes_per_token
 
     cfg = load_config(None, {"env.workers": 0})
@@ -142,7 +142,7 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     assert Generator(cfg, walkthrough=True).slice_size(140, 30) is None
     # admissible actions: every step brings a real observation, so rows are planned longer and fewer fit
     admissible = load_config(None, {"env.workers": 0, "sampling.action_space": "admissible"})
-    assert expected_context_tokens(admissible, 30, tokenizer) - expected_context_tokens(cfg, 30, tokenizer) == (84 - 56) * 30
+    assert expected_context_tokens(admissible, 30, tokenizer) - expected_context_tokens(cfg, 30, tokenizer) == (TOKENS_PER_STEP['admissible'] - TOKENS_PER_STEP['free']) * 30
     longer = expected_context_tokens(admissible, 30, tokenizer) / expected_context_tokens(cfg, 30, tokenizer)
     assert Generator(admissible, generator.sampler).slice_size(140, 30) == int(10.5 / longer) < 10
 

@@ -16,9 +16,10 @@ from agentrl.sampling.compat import kv_bytes_per_token
 # Free text: ~400 tokens at step 1, ~1.9k at step 30 with the default model; the longest of 61
 # greedy valid_unseen rows fit in 2,048 at T_max 30 (56 per step: 2,201). Admissible actions: every
 # command is valid, so every step brings a real observation instead of "Nothing happens.": the
-# longest of 73 valid_unseen rows held up to 2,944 tokens at T_max 30 (81 per step; 2026-11-27,
-# docs/measurements/action-space.md), which the free-text estimate put at 2,201 (its KV 34% over plan).
-TOKENS_PER_STEP = {"free": 56, "admissible": 84}
+# store's capacity reached 2,944 tokens on 73 valid_unseen rows and 2,304 on 61 at T_max 30
+# (2026-11-27, docs/measurements/action-space.md), and about 3,100 on 75 valid_seen rows (read from
+# the process's peak RSS), where the free-text estimate says 2,201; 88 per step plans 3,161.
+TOKENS_PER_STEP = {"free": 56, "admissible": 88}
 
 # an ALFWorld opening of typical length (a kitchen), for estimates made before any game is loaded
 TYPICAL_FIRST_OBSERVATION = (
