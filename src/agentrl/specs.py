@@ -60,14 +60,15 @@ class GateSpec:
             raise UserError(f"a classifier gate reads two or more distinct signals, got {'+'.join(self.signals)}")
 
     def __str__(self) -> str:
-        return gate_text(self.K, self.d_L, self.tau_H, self.auto, "+".join(self.signals) or self.signal)
+        # an auto gate's threshold is fitted as it runs: its rule says the one in force (`str(rule)`)
+        return gate_text(self.K, None if self.auto else self.d_L, self.tau_H, self.auto, "+".join(self.signals) or self.signal)
 
 
-def gate_text(K: int, d_L: float, tau_H: float | None, auto: bool = False, signal: str = SIGNAL_NAMES[0]) -> str:
+def gate_text(K: int, d_L: float | None, tau_H: float | None, auto: bool = False, signal: str = SIGNAL_NAMES[0]) -> str:
     """How a gate reads in reports and on the console: `K,d_L`, or `K,auto[:SIGNAL] (d_L x)` with
     the threshold in force, plus ` or tau>=t` with the OR-rule."""
     if auto:
-        head = f"{K},auto" + ("" if signal == SIGNAL_NAMES[0] else f":{signal}") + f" (d_L {d_L:.3g})"
+        head = f"{K},auto" + ("" if signal == SIGNAL_NAMES[0] else f":{signal}") + ("" if d_L is None else f" (d_L {d_L:.3g})")
     else:
         head = f"{K},{d_L:g}"
     return head + (f" or tau>={tau_H:g}" if tau_H is not None else "")
