@@ -13,6 +13,10 @@
 # start's games of configs/learning.yaml) is where the first chunk starts. A chunk with a
 # groups.csv is kept, so the script resumes, and a later call with a larger CHUNKS adds groups to
 # the pool (same adapter). ROUNDS (default 6: 32 rows in lockstep) bounds the memory a chunk holds.
+# GATED=1 then runs the live gate on the last chunk's tasks: `--gate ${GATE}` (default the
+# classifier on all nine signals at K 10) with `--gate-audit 0.25`, its labels warmed up from the
+# other chunks' tables (never from the tasks it gates), paired with the last chunk's ungated
+# rollout by `--tier1-baseline` (Tier 1 without paying the baseline twice): OUT/gated/tier1.md.
 set -euo pipefail
 ADAPTER=${1:?usage: bench_gate_signals.sh ADAPTER [OUT] [CHUNKS] [CONFIG]}
 OUT=${2:-runs/gate-signals}
@@ -31,3 +35,11 @@ for i in $(seq 0 $((CHUNKS - 1))); do
   tables+=("$dir/groups.csv")
 done
 $AGENTRL analyze "${tables[@]}" --out "$OUT/analyze" --t-max 30
+if [ "${GATED:-0}" = 1 ] && [ "$CHUNKS" -ge 2 ] && [ ! -f "$OUT/gated/tier1.json" ]; then
+  last=$((CHUNKS - 1))
+  { head -1 "$OUT/chunk0/groups.csv"; for i in $(seq 0 $((last - 1))); do tail -n +2 "$OUT/chunk$i/groups.csv"; done; } > "$OUT/warmup.csv"
+  echo "== the live gate on chunk $last's tasks, warmed up from chunks 0..$((last - 1))"
+  $AGENTRL rollout --config "$CONFIG" --adapter "$ADAPTER" --gate "${GATE:-10,auto:d+bigram+prefixes+actions+entropy+obs+tau+invalid+nll}" \
+    --gate-audit 0.25 --gate-warmup "$OUT/warmup.csv" --skip-tasks $((SKIP + 24 * last)) --tasks 24 --rounds "${ROUNDS:-6}" \
+    --tier1-baseline "$OUT/chunk$last" --out "$OUT/gated" 2>&1 | grep -v "━"
+fi

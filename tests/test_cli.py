@@ -83,6 +83,7 @@ def test_data_check_missing_dir(tmp_path):
         (["--gate", "off", "--tier1-baseline", "runs"], r"--tier1-baseline compares no gate with a gate"),
         (["--tier1-ab", "--tier1-baseline", "runs"], r"give it or --tier1-baseline, not both"),
         (["--tier1-baseline", "nowhere"], r"cannot read nowhere/summary.json"),
+        (["--gate", "10,auto:d+obs", "--gate-audit", "0.25", "--gate-warmup", "nowhere.csv"], r"gate.warmup: groups table not found: nowhere.csv"),
         (["--group-size", "1"], r"group_size must be >= 2"),
         (["--gate", "40,0.1"], r"beyond T_max=30"),
     ],

@@ -70,6 +70,7 @@ KVBudgetOpt = opt(OptStr, "sampling.kv_budget_gb",
 DataOpt = opt(OptStr, "data.root", "ALFWorld data root (default: $ALFWORLD_DATA, then ~/.cache/alfworld).", "--data")
 GroupSizeOpt = opt(OptInt, "rollout.group_size", "G: trajectories per task.", "--group-size", "-G")
 GateOrTauOpt = opt(OptFloat, "rollout.gate_or_tau", "OR-rule: also cut when >= this share finished by K.")
+GateWarmupOpt = opt(OptStr, "gate.warmup", "An auto gate's first labels: groups.csv of an earlier ungated rollout of the same adapter (--gate off), read at its K.", "--gate-warmup")
 
 # Removed flags, per command: each answers with one line naming its replacement (exit 2), see cli.main.
 REMOVED_FLAGS = {"train": {

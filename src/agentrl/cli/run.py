@@ -9,7 +9,7 @@ import typer
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
                                  progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
-from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GroupSizeOpt, KVBudgetOpt,
+from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
@@ -77,6 +77,7 @@ def rollout_cmd(
     max_steps: opt(OptInt, "rollout.max_steps", "T_max (default 30).") = None,
     gate: opt(OptStr, "rollout.gate", "K,d_L (default 10,0.12), K,auto (d_L fitted between --rounds; needs --gate-audit) or off.") = None,
     gate_or_tau: GateOrTauOpt = None,
+    gate_warmup: GateWarmupOpt = None,
     tier1_ab: opt(bool, None, "Baseline vs gated on the same tasks and seeds (Tier 1).", "--tier1-ab") = False,
     tier1_baseline: opt(Optional[Path], None, "Tier 1 against this earlier ungated rollout of the same tasks and seed: only the gated arm runs.", "--tier1-baseline") = None,
     rounds: opt(OptInt, "rollout.rounds", "Roll the tasks in this many consecutive lockstep rounds (fewer rows held at once; an auto gate re-fits between rounds).") = None,
@@ -164,6 +165,7 @@ def train_cmd(
     max_steps: opt(OptInt, "rollout.max_steps", "T_max of training rollouts.") = None,
     gate: opt(OptStr, "rollout.gate", "K,d_L (e.g. 10,0.12), K,auto (d_L fitted online; needs --gate-audit) or off.") = None,
     gate_or_tau: GateOrTauOpt = None,
+    gate_warmup: GateWarmupOpt = None,
     advantage: opt(OptStr, "train.advantage", "grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO).") = None,
     gamma: opt(OptFloat, "advantage.gamma", "GiGPO: discount of the step-level returns (default 0.95).") = None,
     omega: opt(OptFloat, "advantage.omega", "GiGPO: weight of the step-level advantage (default 1.0).") = None,
