@@ -9,6 +9,7 @@ import pytest
 
 from agentrl.collect import oracle_saved_tokens, tier1_against, tier1_markdown, tier1_report
 from agentrl.errors import UserError
+from agentrl.specs import parse_gate
 
 G = 2
 
@@ -75,7 +76,7 @@ def test_a_gated_rollout_paired_with_an_earlier_ungated_one(tmp_path):
     long = lambda g, i: [f"go to {g['task_id']} {i}", "look", "look", "inventory", "look"]  # noqa: E731
     write_run(tmp_path / "base", BASE, long)
     write_run(tmp_path / "gated", GATED, lambda g, i: long(g, i)[:2] if g["cut"] else long(g, i))
-    rep = tier1_against(tmp_path / "base", GATED, tmp_path / "gated", "3,auto", seed=0)
+    rep = tier1_against(tmp_path / "base", GATED, tmp_path / "gated", parse_gate("3,auto"), seed=0)
     assert rep["rows_matching_baseline"] == [6, 6] and rep["baseline_dir"] == str(tmp_path / "base")
     # oracle at K 3: the two zero-variance groups' rows keep 3 of their 5 steps (a: 10 per step, c: 20)
     assert rep["oracle_step_token_saving"] == pytest.approx((2 * 2 * 10 + 2 * 2 * 20) / 400)
@@ -92,9 +93,9 @@ def test_a_baseline_that_does_not_pair_is_refused(tmp_path, change, message):
     write_run(tmp_path / "base", change(BASE), lambda g, i: ["look"])
     write_run(tmp_path / "gated", GATED, lambda g, i: ["look"])
     with pytest.raises(UserError, match=message):
-        tier1_against(tmp_path / "base", GATED, tmp_path / "gated", "3,auto", seed=0)
+        tier1_against(tmp_path / "base", GATED, tmp_path / "gated", parse_gate("3,auto"), seed=0)
 
 
 def test_not_a_rollout_directory_is_refused(tmp_path):
     with pytest.raises(UserError, match="cannot read"):
-        tier1_against(tmp_path, GATED, tmp_path, "3,auto", seed=0)
+        tier1_against(tmp_path, GATED, tmp_path, parse_gate("3,auto"), seed=0)

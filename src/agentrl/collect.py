@@ -50,10 +50,9 @@ def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: b
         if not tier1_ab:
             stage = make_cut_stage(cfg, gate)
             rollout = roll_rounds(cfg, games, generator, stage, progress)
-            write_rollout(rollout, out, cfg.rollout.signal_steps, stage.rule.report() if stage is not None else None)
+            summary = write_rollout(rollout, out, cfg.rollout.signal_steps, stage.rule.report() if stage is not None else None)
             if tier1_baseline is None:
                 return rollout
-            summary = json.loads((out / "summary.json").read_text())
             result = Tier1(None, rollout, tier1_against(tier1_baseline, summary, out, gate, cfg.seed))
             atomic_write_json(out / "tier1.json", result.report)
             atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
@@ -111,8 +110,9 @@ def groups_table(rollout: Rollout) -> list[dict]:
     return rows
 
 
-def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict | None = None) -> None:
-    """trajectories.jsonl, groups.csv and summary.json (`gate_report`: what an auto gate learned)."""
+def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict | None = None) -> dict:
+    """trajectories.jsonl, groups.csv and summary.json (`gate_report`: what an auto gate learned);
+    returns the summary written."""
     lines = []
     for g in rollout.groups:
         for t in g.trajectories:
@@ -123,7 +123,9 @@ def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict |
     writer.writeheader()
     writer.writerows(r for r in groups_table(rollout) if r["K"] in set(signal_steps))
     atomic_write_text(out / "groups.csv", buf.getvalue())
-    atomic_write_json(out / "summary.json", rollout_summary(rollout) | ({"gate": gate_report} if gate_report else {}))
+    summary = rollout_summary(rollout) | ({"gate": gate_report} if gate_report else {})
+    atomic_write_json(out / "summary.json", summary)
+    return summary
 
 
 def rollout_summary(rollout: Rollout) -> dict:
@@ -222,7 +224,7 @@ def tier1_report(baseline: dict, gated: dict, gate: GateSpec | str, seed: int, r
     }
 
 
-def tier1_against(baseline_dir: Path, gated: dict, gated_dir: Path, gate: GateSpec | str, seed: int) -> dict:
+def tier1_against(baseline_dir: Path, gated: dict, gated_dir: Path, gate: GateSpec, seed: int) -> dict:
     """The Tier 1 report of a gated rollout (`gated`: its summary; `gated_dir`: where it was written)
     against an earlier ungated rollout in `baseline_dir` of the same tasks, in the same order, and
     the same seed. The tasks and G are checked (one line refuses a mismatch); the seed is not
@@ -238,12 +240,12 @@ def tier1_against(baseline_dir: Path, gated: dict, gated_dir: Path, gate: GateSp
                         "give the same --split, --skip-tasks and --tasks")
     if base["trajectories"] != gated["trajectories"]:
         raise UserError(f"--tier1-baseline {baseline_dir}: G differs ({base['trajectories']} trajectories there, {gated['trajectories']} here)")
+    rows = list(_records(baseline_dir))  # read once: wins, the pairing check and the oracle
     if "won" not in base:  # written before summaries counted wins: from its trajectories
-        base["won"] = sum(r["won"] for r in _records(baseline_dir))
+        base["won"] = sum(r["won"] for r in rows)
     same = sum(b["actions"][:len(g["actions"])] == g["actions"][:len(b["actions"])]
-               for b, g in zip(_records(baseline_dir), _records(gated_dir)))
-    K = gate.K if isinstance(gate, GateSpec) else int(str(gate).split(",")[0])
-    report = tier1_report(base, gated, gate, seed, oracle_tokens=oracle_saved_tokens(_records(baseline_dir), K))
+               for b, g in zip(rows, _records(gated_dir)))
+    report = tier1_report(base, gated, gate, seed, oracle_tokens=oracle_saved_tokens(rows, gate.K))
     if gated.get("gate"):
         report["auto"] = gated["gate"]
     return report | {"baseline_dir": str(baseline_dir), "rows_matching_baseline": [int(same), gated["trajectories"]]}

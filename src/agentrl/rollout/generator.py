@@ -162,11 +162,12 @@ class Generator:
         t0 = time.perf_counter()
         policy = self.policy(self.cfg.seed, greedy=not samples)
         per_game = max(1, samples)
-        size = self.slice_size(len(games) * per_game, max_steps)
+        rows = len(games) * per_game
+        size = self.slice_size(rows, max_steps)
         run = LockstepConfig(max_steps, self.cfg.env.fuzzy_threshold, per_game)
         rollout = run_in_slices(games, size and max(1, size // per_game), policy, run, self.envs, Progress(on_step, on_reset))
         played_or_stop(rollout.trajectories, f"{what}, nothing was evaluated")
-        memory = self.memory(min(size or len(games) * per_game, len(games) * per_game), max_steps)
+        memory = self.memory(size or rows, max_steps)  # slice_size: fewer than rows, or None (all together)
         return EvalResult(split, max_steps, rollout.trajectories, rollout.stats, samples, self.cfg.seed,
                           time.perf_counter() - t0, memory)
 
