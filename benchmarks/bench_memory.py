@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
-MODES = ("dynamic", "fixed", "fixed+thp", "dynamic+thp")  # malloc threshold, +thp: torch's THP_MEM_ALLOC_ENABLE=1
+MODES = ("dynamic", "fixed", "fixed+thp", "dynamic+thp", "fixed-1m", "fixed-4m", "fixed-16m")
+# malloc threshold (fixed: procmem's; fixed-4m: fixed at 4 MiB), +thp: torch's THP_MEM_ALLOC_ENABLE=1
+THRESHOLDS = {"fixed-1m": 1 << 20, "fixed-4m": 4 << 20, "fixed-16m": 16 << 20}
 
 CHILD = r"""
 import json, resource, sys, time, torch
@@ -87,6 +89,8 @@ def main() -> None:
     env.pop("THP_MEM_ALLOC_ENABLE", None)
     for gc, mode in itertools.product((False, True), modes):
         child_env = {**env, "THP_MEM_ALLOC_ENABLE": "1"} if mode.endswith("+thp") else env
+        if mode in THRESHOLDS:
+            child_env = {**env, "MALLOC_MMAP_THRESHOLD_": str(THRESHOLDS[mode])}
         p = subprocess.run([sys.executable, "-c", CHILD, mode, "1" if gc else "0", str(args.rows), str(args.tokens)],
                            capture_output=True, text=True, env=child_env)
         if p.returncode != 0:

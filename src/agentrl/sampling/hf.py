@@ -38,6 +38,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
+from agentrl.procmem import reused_heap
 from agentrl.models import copy_full_weights, load_model, quiet_peft
 from agentrl.sampling.attention import check_backend, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
@@ -255,7 +256,8 @@ class HFSampler:
         self.store.release([k for k in self.store.stale() if k not in set(names)])
         out: list[Completion] = []
         try:
-            with use_slot_attention(self.model), sdpa_backend(self.attention_backend):
+            # reused_heap: each token step's transient tensors come from the heap, not a fresh mmap (procmem.py)
+            with use_slot_attention(self.model), sdpa_backend(self.attention_backend), reused_heap():
                 for start in range(0, len(prompts), self.batch_size):
                     end = start + self.batch_size
                     out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end],

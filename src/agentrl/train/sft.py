@@ -20,6 +20,7 @@ the dataset is what the policy will see at rollout time, token for token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -40,6 +41,7 @@ from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorde
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_jsonl, read_jsonl
 from agentrl.models import cache_root, load_model
+from agentrl.procmem import reused_heap
 from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply_text
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
@@ -409,24 +411,28 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
              "heldout_nll": heldout_nll(learner, held), "elapsed_s": round(replay_s, 3)}]
     hooks.done(rows[-1])
     train_t0 = time.perf_counter()
-    for epoch, order in enumerate(orders, start=1):
-        hooks.phase("train", len(order))
-        epoch_sum, epoch_n = 0.0, 0
-        for pending in optimizer_steps(order, s.batch_games, per_game):
-            step_examples = [e for b in pending for e in b]  # the step's gradient; how it is cut to run, the learner's
-            n_tokens = sum(e.reply_tokens for e in step_examples)
-            loss_fn = nll_loss(learner, step_examples, n_tokens)
-            for nll_sum in learner.step(example_micro_batches(learner, step_examples), loss_fn, s.grad_clip).values:
-                epoch_sum += nll_sum
-            scheduler.step()
-            epoch_n += n_tokens
-            hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
-        learner.model.eval()
-        rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
-                     "heldout_nll": heldout_nll(learner, held), "steps": epoch_steps[epoch - 1],
-                     "lr_end": scheduler.get_last_lr()[0],
-                     "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
-        hooks.done(rows[-1])
+    # the steps' tensors reuse the heap (procmem.py: a third of the warm start's CPU went to page
+    # faults) unless the micro-batches were sized to fill free memory, which the fixed threshold bounds
+    heap = contextlib.nullcontext() if cfg.learner.tokens_per_microbatch == "auto" else reused_heap()
+    with heap:
+        for epoch, order in enumerate(orders, start=1):
+            hooks.phase("train", len(order))
+            epoch_sum, epoch_n = 0.0, 0
+            for pending in optimizer_steps(order, s.batch_games, per_game):
+                step_examples = [e for b in pending for e in b]  # the step's gradient; how it is cut to run, the learner's
+                n_tokens = sum(e.reply_tokens for e in step_examples)
+                loss_fn = nll_loss(learner, step_examples, n_tokens)
+                for nll_sum in learner.step(example_micro_batches(learner, step_examples), loss_fn, s.grad_clip).values:
+                    epoch_sum += nll_sum
+                scheduler.step()
+                epoch_n += n_tokens
+                hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
+            learner.model.eval()
+            rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
+                         "heldout_nll": heldout_nll(learner, held), "steps": epoch_steps[epoch - 1],
+                         "lr_end": scheduler.get_last_lr()[0],
+                         "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
+            hooks.done(rows[-1])
     return rows
 
 
