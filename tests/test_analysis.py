@@ -162,6 +162,24 @@ def test_the_classifier_row_reads_the_signals_together(tmp_path):
     assert d["auroc"] < 1.0 and obs["auroc"] < 1.0
     assert combined["auroc"] == 1.0 and combined["best_precision"] == 1.0
     assert combined["best_cut"] == combined["N"] - combined["informative"]  # every zero-variance group, nothing else
+    assert row["classifier+guard"]["auroc"] == 1.0  # no row had ended: the guard spares nothing
+
+
+def test_the_guarded_classifier_row_never_cuts_a_group_with_a_win(tmp_path):
+    """Constructed, K 5: six all-fail groups and four informative ones that already had a win by K
+    (termination 0.5) share d_K 0.1; six informative ones without a win sit at d_K 0.9. The guarded
+    row's best cut is the six all-fail groups, at precision 1."""
+    path = tmp_path / "g.csv"
+    groups = [(0.1, 0.0, "0;0")] * 6 + [(0.1, 0.5, "1;0")] * 4 + [(0.9, 0.0, "0;1")] * 6
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
+        w.writeheader()
+        for i, (d, tau, rewards) in enumerate(groups):
+            w.writerow({s: 0.5 for s in SIGNALS} | {"prefix_edit_distance_mean": d, "termination_fraction": tau,
+                       "task_id": f"t{i}", "task_type": "look_at_obj_in_light", "K": 5, "rewards": rewards, "cut": 0,
+                       "steps_generated": 10})
+    guard = {r["signal"]: r for r in analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8).signals}["classifier+guard"]
+    assert (guard["best_cut"], guard["best_precision"], guard["best_recall"]) == (6, 1.0, 1.0)
 
 
 def test_a_table_written_before_issue_49_lacks_two_signals_and_still_reads(tmp_path):

@@ -83,6 +83,53 @@ def test_inverse_audit_weights_change_the_cut():
     assert not unweighted.fires(low) and unweighted.model is None
 
 
+def _won_labels(all_success: int) -> list[GateLabel]:
+    """Low obs (0.1): 20 all-fail groups (no row ended by K) and 10 informative ones that already
+    have a win (termination_fraction 0.125); high obs (0.8): 30 informative, no win yet. Plus
+    `all_success` zero-variance groups at low obs whose rows are winning (termination 0.5)."""
+    low = [GateLabel(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.0}), True, False, 0.25) for _ in range(20)]
+    low += [GateLabel(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.125}), False, False, 0.25) for _ in range(10)]
+    low += [GateLabel(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.5}), True, False, 0.25)
+            for _ in range(all_success)]
+    high = [GateLabel(signals(**{D: 0.5, OBS: 0.8, "termination_fraction": 0.0}), False, False, 0.25) for _ in range(30)]
+    return low + high
+
+
+def test_the_guard_spares_a_group_with_a_win_where_it_removes_more():
+    """A score on obs alone cannot tell the low region's all-fail groups (20) from its informative
+    ones that already won (10): 20/30 = 0.67, below the floor, so the plain cut takes nothing. With
+    the groups in which a row has ended spared, the low region is 20/20: the guard holds, and a
+    group with a win is never cut."""
+    rule = ClassifierGate(3, (D, OBS), precision=0.8, min_labels=20)
+    rule.learn(1, _won_labels(all_success=0))
+    assert rule.guard and rule.report()["guard"] is True and rule.report()["precision_fit"] == pytest.approx(1.0)
+    assert rule.fires(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.0}))
+    assert not rule.fires(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.125}))
+    assert not rule.fires(signals(**{D: 0.5, OBS: 0.8, "termination_fraction": 0.0}))
+
+
+def test_the_guard_stays_off_where_all_success_groups_make_the_plain_cut_remove_more():
+    """With 60 all-success groups (rows winning by K) in the low region, the plain cut there is
+    80/90 = 0.89 zero-variance and removes 80; the guarded one would remove only the 20 all-fail."""
+    rule = ClassifierGate(3, (D, OBS), precision=0.8, min_labels=20)
+    rule.learn(1, _won_labels(all_success=60))
+    assert not rule.guard and rule.report()["precision_fit"] == pytest.approx(80 / 90, abs=1e-4)
+    assert rule.fires(signals(**{D: 0.5, OBS: 0.1, "termination_fraction": 0.5}))
+
+
+def test_the_guard_survives_a_checkpoint_and_an_old_checkpoint_loads():
+    rule = ClassifierGate(3, (D, OBS), precision=0.8, min_labels=20)
+    rule.learn(1, _won_labels(all_success=0))
+    fresh = ClassifierGate(3, (D, OBS), precision=0.8, min_labels=20)
+    fresh.load_state_dict(rule.state_dict())
+    assert fresh.guard and fresh.report() == rule.report()
+    old = rule.state_dict()
+    for e in old["examples"]:
+        del e["ended"]  # written before the guard: no group counts as ended, so the guard finds nothing to spare
+    fresh.load_state_dict(old)
+    assert not fresh.guard and fresh.model is None
+
+
 def test_the_or_rule_fires_before_any_fit():
     rule = ClassifierGate(3, (D, OBS), tau_H=0.75, min_labels=20)
     assert rule.fires(signals(termination_fraction=0.75)) and not rule.fires(signals(termination_fraction=0.5))
@@ -113,4 +160,5 @@ def test_warmup_rows_come_from_a_groups_table(tmp_path):
                              "gate.warmup": str(csv), "env.max_steps": 10})
     stage = CutStage.from_spec(cfg.rollout.parsed_gate(), cfg.select.gate_audit, cfg.seed, cfg.gate)
     assert isinstance(stage.rule, ClassifierGate) and len(stage.rule.examples) == 40
+    assert all(e.ended for e in stage.rule.examples)  # termination_fraction 0.5 in every row: the guard's input
     assert stage.rule.fires(signals(**{D: 0.5, OBS: 0.05})) and not stage.rule.fires(signals(**{D: 0.5, OBS: 0.9}))

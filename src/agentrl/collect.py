@@ -343,6 +343,7 @@ def _auto_line(a: dict) -> str:
     fit = "n/a" if a["precision_fit"] is None else f"{100 * a['precision_fit']:.0f}%"
     if "p_cut" in a:  # a classifier gate (K,auto:S1+S2+...)
         cut = "nothing cut" if a["p_cut"] is None else f"cut where P(zero variance) > {a['p_cut']:.3g}"
+        cut += ", sparing every group with a row ended by K" if a.get("guard") else ""
         return (f"Classifier gate on {len(a['signals'])} signals: at the end {cut} (fitted on {a['labelled']} labelled "
                 f"groups, cross-fitted precision {fit}); live precision: {prec}.")
     return (f"Auto gate: d_L at the end {a['d_L']:.3g} (fitted on {a['labelled']} labelled groups, fitted precision "

@@ -163,7 +163,8 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
     "classifier": every signal the table has, together, as `--gate K,auto:S1+S2+...` would read them: each
     group scored 1 - P(zero variance) by a logistic regression fitted on the other folds (5-fold
     cross-fitting, so its AUROC and cut are not read off the labels it was fitted on; the bootstrap
-    resamples those scores, not the fit)."""
+    resamples those scores, not the fit). "classifier+guard": the same scores with every group in
+    which a row had ended by K (in ALFWorld: won) put above any cut, as the gate's guard spares them."""
     rng = np.random.default_rng(seed)
     rows = []
     for K in sorted(set(t.K.tolist())):
@@ -189,7 +190,11 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
             rows.append(score_row(name, np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])))
         if n >= 2 * FOLDS and 0 < pos.sum() < n:  # every signal together: the classifier gate's score, cross-fitted
             X = np.column_stack(list(sub.signals.values()))
-            rows.append(score_row("classifier", 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))))
+            held_out = 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))
+            rows.append(score_row("classifier", held_out))
+            # with the gate's guard (select/classifier_gate.py): a group with a row ended by K is never cut
+            ended = sub.signals["termination_fraction"] > 0
+            rows.append(score_row("classifier+guard", np.where(ended, 2.0, held_out)))
         d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
         cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]
         best = max((dict(cut_row(sub, c, K, 0.0, t_max), rule=label) for c, label in cuts if c.any()),

@@ -30,8 +30,10 @@ def gate_rule(spec: GateSpec, auto: GateConfig | None = None) -> GateRule:
         return Threshold(spec.K, spec.d_L, spec.tau_H, spec.signal)
     a = auto or GateConfig()
     if spec.signals:  # K,auto:S1+S2+...: a classifier on several signals
-        rows = read_warmup_rows(Path(a.warmup), spec.K, spec.signals) if a.warmup else []
-        warm = [Example(0, tuple(row[s] for s in spec.signals), zero, 1.0) for row, zero in rows]
+        wanted = tuple(dict.fromkeys((*spec.signals, "termination_fraction")))  # the guard reads who had ended
+        rows = read_warmup_rows(Path(a.warmup), spec.K, wanted) if a.warmup else []
+        warm = [Example(0, tuple(row[s] for s in spec.signals), zero, 1.0, row["termination_fraction"] > 0)
+                for row, zero in rows]
         return ClassifierGate(spec.K, spec.signals, spec.tau_H, a.precision, a.min_labels, a.window, warm)
     warmup = read_warmup(Path(a.warmup), spec.K, spec.signal) if a.warmup else None
     return FittedThreshold(spec.K, spec.signal, spec.tau_H, a.precision, a.min_labels, a.window, warmup)
