@@ -211,7 +211,10 @@ def test_a_resumed_run_replays_the_same_buffer_as_an_uninterrupted_one(tmp_path,
     keys = ("loss", "grad_l2_norm", "train_reward", "replay_nll", "replay_buffer")
     a = [{k: r[k] for k in keys} for r in straight if r["kind"] == "iteration"]
     assert a == [{k: r[k] for k in keys} for r in resumed if r["kind"] == "iteration"]
-    assert a[0]["replay_nll"] is None and a[0]["replay_buffer"] == 3  # one scripted win per group joins after update 1
+    # the wins of iteration 1 join the buffer after its update: one scripted win per group, and any
+    # row the tiny model happens to win with (it depends on the CPU's thread count), up to 4 kept
+    wins = round(a[0]["train_reward"] * 3 * 4)
+    assert a[0]["replay_nll"] is None and wins >= 3 and a[0]["replay_buffer"] == min(4, wins)
     assert a[1]["replay_nll"] is not None and a[2]["replay_nll"] is not None and a[2]["replay_buffer"] == 4
     wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "it00003" / "adapter" / "adapter_model.safetensors"))
               for r in ("straight", "resumed"))
