@@ -19,7 +19,7 @@ from scipy import stats as sps
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
-from agentrl.select.classifier_gate import FOLDS, cross_fitted
+from agentrl.select.classifier_gate import FOLDS, cross_fitted, row_ended
 from agentrl.specs import PAPER_SIGNALS, convergence_score
 from agentrl.train.advantage import Advantage, group_advantages
 
@@ -193,7 +193,7 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
             held_out = 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))
             rows.append(score_row("classifier", held_out))
             # with the gate's guard (select/classifier_gate.py): a group with a row ended by K is never cut
-            ended = sub.signals["termination_fraction"] > 0
+            ended = row_ended(sub.signals)  # elementwise over the groups' arrays
             rows.append(score_row("classifier+guard", np.where(ended, 2.0, held_out)))
         d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
         cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]

@@ -38,8 +38,8 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
-from agentrl.procmem import reused_heap
 from agentrl.models import copy_full_weights, load_model, quiet_peft
+from agentrl.procmem import reused_heap
 from agentrl.sampling.attention import check_backend, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.budget import kv_budget_bytes

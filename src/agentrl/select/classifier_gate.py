@@ -102,6 +102,12 @@ def cross_fitted(X: np.ndarray, y: np.ndarray, w: np.ndarray, folds: int = FOLDS
     return p
 
 
+def row_ended(signals: Mapping):
+    """A row of the group had ended by K (in ALFWorld, before T_max only by winning): the guard spares
+    it. Scalars give a bool, arrays of groups (analyze) one per group."""
+    return signals["termination_fraction"] > 0
+
+
 def removed(fit: Fit) -> float:
     """The weighted share of the labelled groups a fit's cut removes that are zero-variance."""
     return 0.0 if fit.precision is None else fit.precision * fit.cut_share
@@ -127,7 +133,7 @@ class ClassifierGate:
         return self.fit.d_L
 
     def fires(self, signals: Mapping[str, float]) -> bool:
-        spared = self.guard and signals["termination_fraction"] > 0
+        spared = self.guard and row_ended(signals)
         if self.model is not None and not spared and 1.0 - float(self.model.p(np.array([self._x(signals)]))[0]) < self.fit.d_L:
             return True  # (a model exists only with a cut: d_L > 0)
         return self.tau_H is not None and signals["termination_fraction"] >= self.tau_H
@@ -136,7 +142,7 @@ class ClassifierGate:
         for lb in labels:
             self.examples.append(Example(iteration, self._x(lb.signals), bool(lb.zero_variance),
                                          1.0 / lb.audit_rate if lb.audited else 1.0,
-                                         lb.signals["termination_fraction"] > 0))
+                                         row_ended(lb.signals)))
             if lb.audited:
                 self.audits.append((iteration, bool(lb.zero_variance)))
         self.refit(iteration)

@@ -17,7 +17,7 @@ from pathlib import Path
 from agentrl.config import GateConfig
 from agentrl.rollout.lockstep import row_seed
 from agentrl.select.auto_gate import FittedThreshold, read_warmup, read_warmup_rows
-from agentrl.select.classifier_gate import ClassifierGate, Example
+from agentrl.select.classifier_gate import ClassifierGate, Example, row_ended
 from agentrl.select.base import StageStats
 from agentrl.select.gate_rule import GateLabel, GateRule, Threshold
 from agentrl.specs import GateSpec
@@ -32,7 +32,7 @@ def gate_rule(spec: GateSpec, auto: GateConfig | None = None) -> GateRule:
     if spec.signals:  # K,auto:S1+S2+...: a classifier on several signals
         wanted = tuple(dict.fromkeys((*spec.signals, "termination_fraction")))  # the guard reads who had ended
         rows = read_warmup_rows(Path(a.warmup), spec.K, wanted) if a.warmup else []
-        warm = [Example(0, tuple(row[s] for s in spec.signals), zero, 1.0, row["termination_fraction"] > 0)
+        warm = [Example(0, tuple(row[s] for s in spec.signals), zero, 1.0, row_ended(row))
                 for row, zero in rows]
         return ClassifierGate(spec.K, spec.signals, spec.tau_H, a.precision, a.min_labels, a.window, warm)
     warmup = read_warmup(Path(a.warmup), spec.K, spec.signal) if a.warmup else None
