@@ -9,7 +9,7 @@ GPU busy = the time kernels ran (merged intervals of every device kernel) / the 
 Prints one JSON object; --out writes it too.
 
 Usage: python benchmarks/bench_decode.py [--rows 128 --context 2048 --new 30 --steps 4]
-           [--device auto|cuda|cpu] [--quick] [--out FILE]
+           [--device auto|cuda|cpu] [--attention-backend auto|cudnn|efficient|math|flash] [--quick] [--out FILE]
 (--quick: 4 rows x 256 tokens, for a CPU smoke run; the default model must be prepared.)
 """
 
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=30)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto", help="sampling.attention_backend: SDPA's kernel (auto: its own choice)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -76,9 +77,10 @@ def main() -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     shape = (4, 256, 8, 2) if args.quick else (args.rows, args.context, args.new, args.steps)
     model, tokenizer = load_model("default", "auto", device)
-    sampler = HFSampler(model, tokenizer, batch_size=shape[0], static_decode="on")
+    sampler = HFSampler(model, tokenizer, batch_size=shape[0], static_decode="on", attention_backend=args.attention_backend)
     report = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "shape": shape, "date": time.strftime("%Y-%m-%d %H:%M")}
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "attention_backend": args.attention_backend,
+              "shape": shape, "date": time.strftime("%Y-%m-%d %H:%M")}
     report["lockstep"] = _lockstep_graphs_on_off(sampler, tokenizer, {"shape": shape})
     static = sampler.static
     for name, decoder in (("graphs", static), ("eager", None)):

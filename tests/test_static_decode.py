@@ -211,3 +211,30 @@ def test_on_cuda_a_graph_replay_equals_the_same_step_run_eagerly(tiny_model, tok
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b):
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graphs_are_captured_again_after_the_store_grows(tiny_model, tokenizer, prompts):
+    """A turn longer than the store's capacity reallocates it: every graph is dropped with its pool
+    and captured again into a new one (reusing the old pool's handle fails inside torch's allocator),
+    and the replays still equal the same static step run eagerly."""
+    model = copy.deepcopy(tiny_model).cuda()
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    graphs = HFSampler(model, tokenizer, static_decode="on", sync_every=4)
+    eager = HFSampler(model, tokenizer, static_decode="on", sync_every=4)
+    eager.static.capture = False
+    long_obs = tokenizer("you see a shelf", add_special_tokens=False).input_ids * 200  # past the first capacity
+
+    def three_turns(sampler):
+        keys = list(range(len(prompts)))
+        out = sampler.generate(rows(prompts, seeds=[i + 1 for i in keys], keys=keys), params)
+        before = (sampler.store.storage.generation, sampler.static.captures)
+        turn2 = [p + c.token_ids + long_obs for p, c in zip(prompts, out)]
+        out2 = sampler.generate(rows(turn2, seeds=[i + 9 for i in keys], keys=keys), params)
+        turn3 = [p + c.token_ids + long_obs[:7] for p, c in zip(turn2, out2)]
+        return out + out2 + sampler.generate(rows(turn3, seeds=[i + 17 for i in keys], keys=keys), params), before
+
+    a, (generation, captures) = three_turns(graphs)
+    b, _ = three_turns(eager)
+    assert graphs.store.storage.generation > generation and graphs.static.captures > captures
+    _same(a, b)

@@ -17,7 +17,8 @@ grep -qx "/.dev/" .git/info/exclude 2>/dev/null || grep -qx ".dev/" .gitignore |
 ver() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
 PKGS="transformers==$(ver transformers) peft==$(ver peft) tokenizers==$(ver tokenizers) textworld==$(ver textworld)
       alfworld==$(ver alfworld) TatSu==$(ver TatSu) rapidfuzz==$(ver rapidfuzz) gguf==$(ver gguf)
-      hashids mementos more-itertools prompt_toolkit termcolor wcwidth"
+      hashids mementos more-itertools prompt_toolkit termcolor wcwidth
+      pytest==$(ver pytest) pluggy iniconfig pygments"  # pytest: graphs.sh runs the CUDA-only tests there
 $PY -m pip download -q --only-binary :all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any --no-deps -d $D/p2/whl $PKGS

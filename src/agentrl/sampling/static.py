@@ -125,7 +125,7 @@ class StaticDecoder:
     def step(self, key: StepKey, sampler, vocab: int) -> StaticStep:
         storage = sampler.store.storage
         if any(s.generation != storage.generation for s in self.steps.values()):
-            self.steps.clear()  # the store was reallocated: every graph reads old buffers (and holds pool memory)
+            self.forget()  # the store was reallocated: every graph reads old buffers (and holds pool memory)
         step = self.steps.get(key)
         if step is None:
             step = StaticStep(key, sampler.model, storage, sampler.cache_kwarg, sampler._stop_tensor, vocab,
@@ -136,8 +136,12 @@ class StaticDecoder:
         return step
 
     def forget(self) -> None:
-        """Drop every graph (the model's weights moved: an unmerged adapter, a new model)."""
+        """Drop every graph (the store was reallocated, the model's weights moved: an unmerged
+        adapter, a new model), and their pool with them: torch's allocator refuses a capture into a
+        pool whose graphs are all gone before its memory was freed (an internal assert at
+        capture_begin, seen on an H100 with torch 2.11), so the next capture starts a new pool."""
         self.steps.clear()
+        self.pool = None
 
     def _capture(self, step: StaticStep, scratch: int) -> None:
         """Warm up on a side stream (as torch's docs require), then capture. Every row writes the
