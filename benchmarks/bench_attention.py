@@ -10,7 +10,8 @@
      a larger buffer, as the slot store's are;
      (a) `fixed`: L fixed, `--calls` calls (the per-call cost);
      (b) `grow`: L + 1 at every call (a new shape each call, as a decode step's KV grows: the
-         per-new-shape cost, e.g. a kernel plan built per shape);
+         per-new-shape cost, e.g. a kernel plan built per shape), each kernel over lengths of its
+         own from L up (a plan cached for a shape under an earlier kernel would flatter the next);
    - prefill: `--prefill-rows` rows of `--prefill-new` new tokens over L keys (4D causal mask,
      enable_gqa), `fixed` only; and the same folded as the decode step folds its heads (no
      enable_gqa: for a kernel that takes no grouped heads).
@@ -20,7 +21,8 @@
 2. The model (`--model default`: the prepared SmolLM2-135M-Instruct, as bench_sampler.py loads it;
    `random`, or when it is not prepared: a random Llama of its shape): an HFSampler per kernel
    (`sampling.attention_backend`), `--model-rows` rows of ~`--context` random tokens; the first
-   call prefills them (item 4: seconds and the number of prefill forwards), then `--steps` calls
+   call prefills them (item 4: seconds and the number of prefill forwards; each kernel's rows 5% of
+   --context shorter than the last kernel's, for the same reason), then `--steps` calls
    each append 50 tokens and decode `--new-tokens` (KV kept): seconds per step, ms per token.
 `--profile DIR` writes, per kernel, the profiler's top ops of one decode call by self CPU time and
 by device time (DIR/profile_<kernel>.txt). `--out FILE` writes every number as JSON.
@@ -56,11 +58,12 @@ def _sync(device) -> None:
 
 
 def _kernel_ms(prof) -> float:
-    """Device (kernel) time the profiler saw, ms: self device time summed over every event."""
-    total = 0.0
-    for e in prof.key_averages():
-        total += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
-    return total / 1e3
+    """Device (kernel) time the profiler saw, ms: the union of the device events' intervals (the sum
+    of every event's self device time, used before, counted kernels more than once: GPU busy above
+    100% in the H100 run of 2026-11-27)."""
+    from agentrl.gpucheck import kernel_seconds
+
+    return 1e3 * (kernel_seconds(prof) or 0.0)
 
 
 def time_calls(calls, device) -> dict:
@@ -120,10 +123,13 @@ def op_decode(kernel: str, rows: int, L: int, calls: int, grow: bool, device, dt
     from agentrl.sampling.attention import sdpa_backend
     from agentrl.sampling.kv import slot_attention
 
-    # grow: the timed pass and the profiled pass each see shapes no call has seen before
-    sizes = [L + i for i in range(calls)] if grow else [L] * calls
-    again = [L + calls + i for i in range(calls)] if grow else sizes
-    buf, q, lengths = _decode_inputs(rows, L, L + 2 * calls, device, dtype)
+    # grow: the timed pass and the profiled pass each see shapes no call has seen before, in this
+    # kernel's own range: a plan cached per shape by an earlier kernel's calls (cuDNN's, built on
+    # each new length under `auto`) must not make a later kernel's calls look cheap
+    first = L + 2 * calls * KERNELS.index(kernel) if grow else L
+    sizes = [first + i for i in range(calls)] if grow else [L] * calls
+    again = [first + calls + i for i in range(calls)] if grow else sizes
+    buf, q, lengths = _decode_inputs(rows, L, first + 2 * calls, device, dtype)
     masks = {n: _decode_mask(lengths, n) for n in {L - 1, *sizes, *again}}  # built beforehand: a forward builds it once, not per layer
     step = lambda n: lambda: slot_attention(None, q, buf[:, :, :n], buf[:, :, :n], masks[n], scaling=HEAD_DIM ** -0.5)  # noqa: E731
     with torch.no_grad(), sdpa_backend(kernel):
@@ -263,7 +269,9 @@ def model_step(model, kernel: str, args, device, profile_dir: Path | None) -> di
     sampler._prefill_bucket = counted
     g = torch.Generator().manual_seed(0)
     rows, params = args.model_rows, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-    prompts = [torch.randint(100, 49000, (args.context - r % 97,), generator=g).tolist() for r in range(rows)]
+    # each kernel's rows have lengths of their own (a shape seen under an earlier kernel may have its plan cached)
+    shift = args.context // 20 * KERNELS.index(kernel)
+    prompts = [torch.randint(100, 49000, (args.context - r % 97 - shift,), generator=g).tolist() for r in range(rows)]
     keys = list(range(rows))
     call = lambda s: sampler.generate([GenRequest(p, seed=s * rows + k, key=k) for p, k in zip(prompts, keys)], params)  # noqa: E731
     _sync(device)

@@ -24,16 +24,10 @@ from pathlib import Path
 
 def gpu_busy(prof, wall_s: float) -> float | None:
     """Merged kernel intervals over the wall time (None without device events)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"))
-    if not spans:
-        return None
-    busy, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            busy, start = busy + end - start, s
-        end = max(end, e)
-    return round((busy + end - start) / 1e6 / wall_s, 3)
+    from agentrl.gpucheck import kernel_seconds
+
+    busy = kernel_seconds(prof)
+    return None if busy is None else round(busy / wall_s, 3)
 
 
 def profiled(sampler, tokenizer, shape) -> dict:

@@ -219,6 +219,22 @@ BANDWIDTH_TB_S = ((("H100", "PCIe"), 2.0), (("H100", "NVL"), 3.9), (("H100",), 3
                   (("A100", "80GB"), 2.0))
 
 
+def kernel_seconds(prof) -> float | None:
+    """The time a device ran kernels during a torch.profiler run: the union of its device events'
+    intervals, overlaps counted once (a sum of per-event self device times can count a kernel
+    twice). None without device events (a CPU run)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"))
+    if not spans:
+        return None
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    return (busy + end - start) / 1e6  # the profiler's microseconds
+
+
 def memory_bandwidth(device_name: str) -> float | None:
     """The device's memory bandwidth in bytes/s, from BANDWIDTH_TB_S (None: not in the table)."""
     for words, tb_s in BANDWIDTH_TB_S:
