@@ -68,3 +68,21 @@ def test_one_eval_record_two_projections(games):
                          "by_task_type", "eval_s", "adapter_version", "valid_action_rate", "mean_reply_tokens",
                          "replies_cut_rate", "mean_episode_steps"]
     assert (row["kind"], row["iteration"], row["adapter_version"]) == ("eval", 3, 2)
+
+
+def test_the_plan_sizes_a_store_that_holds_still_once(games, tiny_model, tokenizer):
+    """Before an eval the Generator tells the sampler its plan (rows x the expected tokens): a store
+    that holds still (the captured decode step's) is sized once and not reallocated as the rows
+    grow; the episodes are the same as with a store that grows turn by turn."""
+    cfg = load_config(None, {"env.workers": 0, "sampling.max_new_tokens": 8})
+    chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"], games["pick_clean_then_place_in_recep"]]
+    results = {}
+    for static in ("on", "off"):
+        with Generator(cfg, HFSampler(tiny_model, tokenizer, static_decode=static)) as gen:
+            result = gen.evaluate(chosen, "valid_seen", 3)
+            results[static] = ([t.token_ids for t in result.trajectories], gen.sampler.kv_memory())
+    (tokens, memory), (eager_tokens, eager_memory) = results["on"], results["off"]
+    assert tokens == eager_tokens
+    assert memory["reallocations"] == 1 and memory["peak_slots"] == 4 + 1  # bucket of 3 rows, the scratch slot
+    assert memory["decode_steps_built"] >= 1 and eager_memory["decode_steps_built"] is None
+    assert eager_memory["reallocations"] > 1  # the store that does not hold still grows and gives memory back

@@ -263,6 +263,7 @@ def test_the_protocol_is_whole(sampler):
     memory = sampler.kv_memory()
     assert memory is None or memory["peak_bytes"] >= 0
     sampler.release(["never-seen"])
+    sampler.reserve(4, 64)
     sampler.sleep()
     sampler.close()
 

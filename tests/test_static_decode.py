@@ -238,3 +238,35 @@ def test_on_cuda_graphs_are_captured_again_after_the_store_grows(tiny_model, tok
     b, _ = three_turns(eager)
     assert graphs.store.storage.generation > generation and graphs.static.captures > captures
     _same(a, b)
+
+
+def test_a_reserved_store_holds_still_and_changes_no_token(tiny_model, tokenizer, prompts):
+    """`reserve` sizes a store that holds still once (within the budget): turns that stay inside
+    it reallocate nothing, build no step twice, and sample the same tokens as a store that grows;
+    past the budget, or for a store that does not hold still, it does nothing."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    obs = tokenizer("you see a shelf", add_special_tokens=False).input_ids * 200  # past the first 512 positions
+
+    def turns(sampler):  # two turns of a batch, its second long; then a new batch (the next rollout)
+        keys = list(range(len(prompts)))
+        out = sampler.generate(rows(prompts, seeds=[i + 1 for i in keys], keys=keys), params)
+        turn2 = [p + c.token_ids + obs for p, c in zip(prompts, out)]
+        out += sampler.generate(rows(turn2, seeds=[i + 9 for i in keys], keys=keys), params)
+        sampler.release(keys)
+        return out + sampler.generate(rows(prompts, seeds=[i + 17 for i in keys], keys=[k + 10 for k in keys]), params)
+
+    reserved = HFSampler(tiny_model, tokenizer, static_decode="on")
+    reserved.reserve(len(prompts), 1000)
+    assert (reserved.store.slots, reserved.store.capacity, reserved.store.storage.generation) == (5, 1024, 1)
+    grown = HFSampler(tiny_model, tokenizer, static_decode="on")
+    _same(turns(reserved), turns(grown))
+    assert reserved.store.storage.generation == 1 and grown.store.storage.generation > 1
+    # the new batch's step (short contexts) was built before the store grew: dropped with its buffers, built again
+    assert reserved.static.built == 2 and grown.static.built == 3
+
+    small = HFSampler(tiny_model, tokenizer, static_decode="on", kv_budget_gb=1000 * reserved.store.bytes_per_token / 2**30)
+    small.reserve(len(prompts), 1000)  # 5 slots x 1024 tokens: over a budget of 1000 tokens
+    assert small.store.storage.generation == 0
+    plain = HFSampler(tiny_model, tokenizer, static_decode="off")
+    plain.reserve(len(prompts), 1000)
+    assert plain.store.storage.generation == 0

@@ -143,6 +143,7 @@ class Generator:
         run = LockstepConfig(t_max, cfg.env.fuzzy_threshold, group_size or cfg.rollout.group_size,
                              tuple(k for k in cfg.rollout.signal_steps if k <= t_max), first_index)
         policy = self.policy(cfg.seed if seed is None else seed)
+        self._reserve(len(tasks) * run.group_size, t_max)
         return lockstep(tasks, policy, run, self.envs, stages, Progress(on_step, on_reset))
 
     def roller(self, seed: int, on_step=None) -> RollFn:
@@ -164,6 +165,7 @@ class Generator:
         per_game = max(1, samples)
         rows = len(games) * per_game
         size = self.slice_size(rows, max_steps)
+        self._reserve(size or rows, max_steps)
         run = LockstepConfig(max_steps, self.cfg.env.fuzzy_threshold, per_game)
         rollout = run_in_slices(games, size and max(1, size // per_game), policy, run, self.envs, Progress(on_step, on_reset))
         played_or_stop(rollout.trajectories, f"{what}, nothing was evaluated")
@@ -186,6 +188,12 @@ class Generator:
             out |= {"kv_planned_bytes": rows * tokens * kv["bytes_per_token"], "tokens_per_row_planned": tokens,
                     **{f"kv_{k}": v for k, v in kv.items()}}
         return out
+
+    def _reserve(self, rows: int, max_steps: int) -> None:
+        """Tell the sampler the plan before a lockstep run: `rows` trajectories of up to the expected
+        tokens of `max_steps` steps (its KV store then holds still under captured decode steps)."""
+        if self.sampler is not None and self.cfg.env.kind == "alfworld":
+            self.sampler.reserve(rows, expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer))
 
     def slice_size(self, rows: int, max_steps: int) -> int | None:
         """Episodes an evaluation steps together: all (None), or as many as the sampler's KV budget

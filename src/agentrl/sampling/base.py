@@ -100,6 +100,13 @@ class Sampler(Protocol):
         steps that many games together); None where the backend manages its own (vLLM, replicas)."""
         ...
 
+    def reserve(self, rows: int, tokens_per_row: int) -> None:
+        """`rows` sequences of up to `tokens_per_row` tokens are about to be stepped together (an
+        eval's or a rollout's plan): a backend whose KV memory must hold still under captured
+        decode steps (the hf sampler on CUDA) sizes it now, once, instead of growing it turn by
+        turn. Never changes a completion. A no-op where the backend manages its own memory."""
+        ...
+
     def kv_memory(self) -> dict | None:
         """What the sampler's KV memory held so far: budget_bytes, peak_bytes, the (slots, capacity)
         at the peak, bytes_per_token, caches dropped under the budget; None where the backend manages

@@ -230,11 +230,17 @@ class HFSampler:
         """How many sequences of `tokens_per_row` tokens the KV budget holds at once."""
         return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
 
+    def reserve(self, rows: int, tokens_per_row: int) -> None:
+        """The store sized once for the plan where it holds still (the captured decode step's: every
+        reallocation drops and recaptures every graph); elsewhere it grows with the sequences."""
+        self.store.reserve(rows, tokens_per_row)
+
     def kv_memory(self) -> dict:
         s = self.store
         slots, capacity = s.storage.peak_shape
         return {"budget_bytes": s.budget, "peak_bytes": s.peak_bytes, "peak_slots": slots, "peak_capacity": capacity,
-                "bytes_per_token": s.bytes_per_token, "dropped": s.dropped}
+                "bytes_per_token": s.bytes_per_token, "dropped": s.dropped, "reallocations": s.storage.generation,
+                "decode_steps_built": self.static.built if self.static else None}
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:

@@ -325,6 +325,18 @@ class SlotStore:
         waves take turns, so a key missing one call is still live)."""
         return [k for k, c in self.used.items() if self.calls - c >= 3]
 
+    def reserve(self, rows: int, tokens: int) -> None:
+        """A store that holds still takes, now, the size a batch of `rows` rows of up to `tokens`
+        tokens each needs (the bucket's padding rows and the scratch slot included), so it is not
+        reallocated as those rows grow. Within the budget only (past it the store grows as
+        before); never smaller than it is; a no-op for a store that does not hold still."""
+        if not self.hold_still or rows <= 0 or tokens <= 0:
+            return
+        slots = max(self.slots, batch_bucket(rows) + 1)
+        capacity = max(self.capacity, _round_up(tokens, self.grow_tokens))
+        if slots * capacity * self.bytes_per_token <= (self.budget or float("inf")):
+            self._resize(slots, capacity)
+
     # ------------------------------------------------------------ placing a batch
 
     def place(self, keys: list, lengths: list[int]) -> list[int]:

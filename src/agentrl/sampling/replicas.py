@@ -137,6 +137,9 @@ class ReplicatedSampler:
     def sleep(self) -> None:
         self._get([r.sleep.remote() for r in self.replicas], "sleep")
 
+    def reserve(self, rows: int, tokens_per_row: int) -> None:
+        """Each replica's sampler grows its own store with the rows it serves."""
+
     def kv_memory(self) -> None:
         """Each replica holds its own KV memory."""
         return None

@@ -120,6 +120,7 @@ class StaticDecoder:
         self.steps: dict[StepKey, StaticStep] = {}
         self.pool = None
         self.captures = 0  # graphs captured (a reallocated store or a new key captures again)
+        self.built = 0  # steps built, captured or not (on CUDA: = captures); what a reallocation costs
         self.replays = 0
 
     def step(self, key: StepKey, sampler, vocab: int) -> StaticStep:
@@ -133,6 +134,7 @@ class StaticDecoder:
             if self.capture:
                 self._capture(step, sampler.store.scratch)
             self.steps[key] = step
+            self.built += 1
         return step
 
     def forget(self) -> None:

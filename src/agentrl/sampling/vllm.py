@@ -165,6 +165,9 @@ class VLLMSampler:
     def release(self, keys) -> None:
         """Nothing to free: vLLM's prefix cache manages its own blocks."""
 
+    def reserve(self, rows: int, tokens_per_row: int) -> None:
+        """vLLM's paged KV cache is its own."""
+
     def kv_memory(self) -> None:
         """vLLM schedules its own KV blocks."""
         return None

@@ -95,6 +95,9 @@ class ExpertSampler:
     def rows_that_fit(self, tokens_per_row: int) -> None:
         return None  # no KV cache
 
+    def reserve(self, rows: int, tokens_per_row: int) -> None:
+        """No KV cache."""
+
     def close(self) -> None:
         """Nothing held."""
 
