@@ -13,6 +13,7 @@
 #              configs/gpu.yaml's scale (B 16 x G 8, T_max 30) from it with KL to it (beta 50), and
 #              its greedy eval on every held-out game, with E2E_KERNEL pinned (default: the kernel
 #              whose captured step was fastest in `decode`; eager decoding where none captured);
+#              PROFILE=1 runs the evals under cProfile and appends their top functions to eval-*.log;
 #   attention  benchmarks/bench_attention.py: SDPA's kernels on the decode and prefill shapes and on
 #              the model's step (--profile).
 # Results in $OUT: tests.log, decode-<kernel>.json/.log, train.log, eval-*.log, results.tgz,
@@ -74,9 +75,13 @@ PY
     local rem=$(( $(left) - TRAIN_S - ATTENTION_S / 2 )); [ $rem -gt 40 ] || break
     echo "== eval $split $(date +%T), ${rem}s for it"
     local t=$(date +%s)
-    timeout -k 10 $rem "${AG[@]}" eval --config /tmp/e2e.yaml --adapter .dev/p3/adapter --split $split --max-steps 30 \
+    local run=("${AG[@]}")  # PROFILE=1: under cProfile (host time by function; slower), its top functions kept
+    [ -n "$PROFILE" ] && run=(python3 -m cProfile -o /tmp/ev/$split.prof -m agentrl.cli)
+    timeout -k 10 $rem "${run[@]}" eval --config /tmp/e2e.yaml --adapter .dev/p3/adapter --split $split --max-steps 30 \
       --out /tmp/ev/$split > $OUT/eval-$split.log 2>&1
     echo "eval rc $? in $(( $(date +%s) - t )) s"; tail -n 3 $OUT/eval-$split.log
+    [ -f /tmp/ev/$split.prof ] && python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(40); s.sort_stats('tottime').print_stats(25)" \
+      /tmp/ev/$split.prof >> $OUT/eval-$split.log 2>&1
   done
   echo "== train $(date +%T), $(left)s left"
   t=$(date +%s)
