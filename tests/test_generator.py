@@ -71,18 +71,32 @@ def test_one_eval_record_two_projections(games):
 
 
 def test_the_plan_sizes_a_store_that_holds_still_once(games, tiny_model, tokenizer):
-    """Before an eval the Generator tells the sampler its plan (rows x the expected tokens): a store
-    that holds still (the captured decode step's) is sized once and not reallocated as the rows
-    grow; the episodes are the same as with a store that grows turn by turn."""
+    """Before an eval the Generator tells the sampler its plan (rows x the expected tokens), and a
+    store that holds still (the captured decode step's) takes that size before the first batch;
+    the episodes are the same as with a store that grows turn by turn. (How often it is
+    reallocated afterwards depends on the observations the replies bring, so that is asserted on
+    fixed prompts: test_static_decode's test_a_reserved_store_holds_still_and_changes_no_token.)"""
+    from agentrl.rollout.plan import expected_context_tokens
+
     cfg = load_config(None, {"env.workers": 0, "sampling.max_new_tokens": 8})
     chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"], games["pick_clean_then_place_in_recep"]]
-    results = {}
+    results, sized = {}, []
     for static in ("on", "off"):
-        with Generator(cfg, HFSampler(tiny_model, tokenizer, static_decode=static)) as gen:
+        sampler = HFSampler(tiny_model, tokenizer, static_decode=static)
+        first_generate = sampler.generate
+
+        def generate(requests, params, sampler=sampler, first_generate=first_generate):
+            sized.append((static, sampler.store.slots, sampler.store.capacity))  # the store as the batch finds it
+            return first_generate(requests, params)
+
+        sampler.generate = generate
+        with Generator(cfg, sampler) as gen:
             result = gen.evaluate(chosen, "valid_seen", 3)
             results[static] = ([t.token_ids for t in result.trajectories], gen.sampler.kv_memory())
     (tokens, memory), (eager_tokens, eager_memory) = results["on"], results["off"]
     assert tokens == eager_tokens
-    assert memory["reallocations"] == 1 and memory["peak_slots"] == 4 + 1  # bucket of 3 rows, the scratch slot
-    assert memory["decode_steps_built"] >= 1 and eager_memory["decode_steps_built"] is None
+    plan = -(-expected_context_tokens(cfg, 3, tokenizer) // 512) * 512  # a store that holds still grows by 512
+    assert sized[0] == ("on", 4 + 1, plan)  # bucket of 3 rows and the scratch slot, sized before the first batch
+    assert ("off", 0, 0) in sized  # the eager engine's store is sized by its batches instead
+    assert memory["peak_slots"] == 4 + 1 and memory["decode_steps_built"] >= 1 and eager_memory["decode_steps_built"] is None
     assert eager_memory["reallocations"] > 1  # the store that does not hold still grows and gives memory back
