@@ -18,6 +18,8 @@ Engines (--engines):
   new       agentrl.sampling.hf.HFSampler (the slot KV engine; a LoRA adapter merged into its weights)
   unmerged  the same engine serving the adapter through PEFT's LoRA layers (`merge_adapter=False`):
             with --adapter, `new,unmerged` measures what merging buys
+  unshared  the same engine running every fresh prompt whole (`share_prefixes=False`): `new,unshared`
+            measures running each shared prompt prefix (system message + task type's example) once
   eager     the same engine with its eager token loop (`static_decode="off"`)
   static    the same engine with the decode step over static buffers (`static_decode="on"`):
             captured as CUDA graphs on a GPU, run eagerly on a CPU; `eager,static` measures it
@@ -55,8 +57,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ENGINES = ("new", "unmerged", "eager", "static", "previous", "generate")
-HF_ENGINES = {"new": {}, "unmerged": {"merge_adapter": False}, "eager": {"static_decode": "off"},
+ENGINES = ("new", "unmerged", "unshared", "eager", "static", "previous", "generate")
+HF_ENGINES = {"new": {}, "unmerged": {"merge_adapter": False}, "unshared": {"share_prefixes": False},
+              "eager": {"static_decode": "off"},
               "static": {"static_decode": "on"}}
 SPLIT = "valid_seen"
 RSS_BASE_GB = 2.0  # the "2 GB" of "RSS = 2 GB + x * KV"
@@ -370,7 +373,7 @@ def run_child(args) -> None:
         "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # KiB on Linux
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "prompt": {"example": cfg.prompt.example or "type", "reply": cfg.prompt.reply or "react"},  # as prompt_messages resolves them
-        "engine_stats": {k: getattr(sampler, k) for k in ("prefill_tokens", "reused_tokens", "prefill_pad_tokens")
+        "engine_stats": {k: getattr(sampler, k) for k in ("prefill_tokens", "reused_tokens", "prefill_pad_tokens", "shared_prefix_tokens")
                          if isinstance(getattr(sampler, k, None), int)},
     }
     Path(args.result).write_text(json.dumps(result) + "\n")

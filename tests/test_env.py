@@ -110,6 +110,40 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
         env.close()
 
 
+def test_the_translation_is_kept_on_disk_and_read_back_equal(games, tmp_path):
+    """The PDDL->SAS translation of a real game is computed once, kept on disk, and read back
+    equal by a later call (any process); a damaged file is translated again and rewritten, and a
+    cache that cannot be written costs only the translation."""
+    import fast_downward
+
+    from agentrl.env.alfworld import _kept_on_disk
+
+    data = json.loads(games["look_at_obj_in_light"].path.read_text())
+    real = getattr(fast_downward.pddl2sas, "__wrapped__", fast_downward.pddl2sas)  # under agentrl's in-process cache
+    calls = []
+
+    def translate(*args, **kwargs):
+        calls.append(kwargs.get("optimize", False))
+        return real(*args, **kwargs)
+
+    kept = _kept_on_disk(translate, tmp_path / "pddl2sas")
+    task, sas = kept(data["pddl_domain"], data["pddl_problem"])
+    files = list((tmp_path / "pddl2sas").rglob("*.pkl.z"))
+    assert len(files) == 1 and calls == [False]
+    again_task, again_sas = _kept_on_disk(translate, tmp_path / "pddl2sas")(data["pddl_domain"], data["pddl_problem"])
+    assert calls == [False] and again_sas == sas  # read back, not translated
+    assert [a.name for a in again_task.actions] == [a.name for a in task.actions]
+    kept(data["pddl_domain"], data["pddl_problem"], optimize=True)  # another option: another entry
+    assert calls == [False, True] and len(list((tmp_path / "pddl2sas").rglob("*.pkl.z"))) == 2
+
+    files[0].write_bytes(b"not a pickle")
+    assert kept(data["pddl_domain"], data["pddl_problem"])[1] == sas and calls == [False, True, False]
+    assert kept(data["pddl_domain"], data["pddl_problem"])[1] == sas and calls == [False, True, False]  # rewritten
+
+    (tmp_path / "blocked").write_text("a file where the cache directory would be")
+    assert _kept_on_disk(translate, tmp_path / "blocked")(data["pddl_domain"], data["pddl_problem"])[1] == sas
+
+
 def test_an_eval_run_in_slices_equals_one_run(games):
     """Evaluations larger than the sampler's KV budget run in slices of games, one after another:
     the episodes (which do not interact) and the summed statistics are those of one run."""

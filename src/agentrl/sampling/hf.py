@@ -74,7 +74,7 @@ def cache_kwarg(model) -> str:
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
                  kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
-                 static_decode: str = "auto", attention_backend: str = "auto"):
+                 static_decode: str = "auto", attention_backend: str = "auto", share_prefixes: bool = True):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -98,6 +98,9 @@ class HFSampler:
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
+        self.shared_prefix_tokens = 0  # prompt tokens copied from another fresh row's shared prefix
+        self.share_prefixes = share_prefixes  # fresh prompts that begin alike run their prefix once
+        self.min_shared_prefix = 16  # shorter shared prefixes are not worth a forward of their own
         self._anonymous = 0
         if adapter:
             self.load(WeightsRef.of(adapter, 0))  # a LoRA adapter or a full model directory
@@ -114,7 +117,8 @@ class HFSampler:
             model, tokenizer = load_model(cfg.model.name, cfg.model.dtype, cfg.model.device, cfg.model.trust_remote_code)
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
-                   static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend)
+                   static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend,
+                   share_prefixes=cfg.sampling.share_prefixes)
 
     @property
     def device(self) -> torch.device:
@@ -338,27 +342,58 @@ class HFSampler:
         """Run each row's new tokens (after its cached prefix) through the model into its slot; return
         the last position's logits [n, V]. Rows are batched by new-token length (a bucket pads at most
         a quarter of its real tokens; pads come first and are neither written nor attended), and rows
-        that share a fresh prompt (a group's G trajectories at step 1) run it once: the others copy it."""
+        that share a fresh prompt (a group's G trajectories at step 1) run it once: the others copy it.
+        Fresh prompts that only begin alike (the system message and a task type's example) run their
+        shared prefix once too (`_shared_prefixes`), as vLLM's prefix caching does."""
         first: dict[tuple, int] = {}
         for i, (p, c) in enumerate(zip(prompts, cached)):
             if c == 0:
                 first.setdefault(tuple(p), i)
         runner = [first[tuple(p)] if c == 0 else i for i, (p, c) in enumerate(zip(prompts, cached))]
-        runs = sorted(set(runner), key=lambda i: len(prompts[i]) - cached[i])
-        row_logits: dict[int, torch.Tensor] = {}
-
-        def fits(rows: list[int]) -> bool:  # a bucket's scores or, with a fused kernel, its tokens (attention.prefill_fits)
-            new, kv = max(len(prompts[i]) - cached[i] for i in rows), max(len(prompts[i]) for i in rows)
-            return self._prefill_fits(len(rows), new, kv)
-
-        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
-            out = self._prefill_bucket(bucket, prompts, cached, slots)
-            for j, i in enumerate(bucket):
-                row_logits[i] = out[j]
+        if self.share_prefixes:
+            cached = self._run_shared_prefixes(prompts, cached, slots, sorted(set(first.values())))
+        row_logits = self._prefill_rows(sorted(set(runner)), prompts, cached, slots)
         for i, r in enumerate(runner):
             if r != i:
                 self.store.copy_slot(slots[r], slots[i], len(prompts[i]))
         return torch.stack([row_logits[r] for r in runner])
+
+    def _prefill_rows(self, runs: list[int], prompts, cached, slots) -> dict[int, torch.Tensor]:
+        """Each of `runs`' new tokens into its slot, in length buckets; {row: last position's logits}."""
+        def fits(rows: list[int]) -> bool:  # a bucket's scores or, with a fused kernel, its tokens (attention.prefill_fits)
+            new, kv = max(len(prompts[i]) - cached[i] for i in rows), max(len(prompts[i]) for i in rows)
+            return self._prefill_fits(len(rows), new, kv)
+
+        row_logits: dict[int, torch.Tensor] = {}
+        runs = sorted(runs, key=lambda i: len(prompts[i]) - cached[i])
+        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
+            out = self._prefill_bucket(bucket, prompts, cached, slots)
+            for j, i in enumerate(bucket):
+                row_logits[i] = out[j]
+        return row_logits
+
+    def _run_shared_prefixes(self, prompts, cached, slots, fresh: list[int]) -> list[int]:
+        """Run each shared prefix of the fresh rows once, in its first row's slot, copy it to the
+        other rows' slots, and return `cached` with those rows starting after it. The copies hold the
+        same keys and values a row's own prefill would write (same tokens, same positions)."""
+        shared = _shared_prefixes([prompts[i] for i in fresh], self.min_shared_prefix)
+        if not shared:
+            return cached
+        cached = list(cached)
+        leaders = {}
+        for members, n in shared:
+            rows = [fresh[j] for j in members]
+            leaders[rows[0]] = n
+            for i in rows:
+                cached[i] = n
+        heads = {i: prompts[i][:n] for i, n in leaders.items()}
+        self._prefill_rows(list(heads), heads, dict.fromkeys(heads, 0), slots)
+        for members, n in shared:
+            rows = [fresh[j] for j in members]
+            for i in rows[1:]:
+                self.store.copy_slot(slots[rows[0]], slots[i], n)
+            self.shared_prefix_tokens += n * (len(rows) - 1)
+        return cached
 
     def _prefill_bucket(self, bucket: list[int], prompts, cached, slots) -> torch.Tensor:
         """One forward of a bucket's new tokens, left-padded to its longest; the last position's logits."""
@@ -420,3 +455,34 @@ def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25) -> 
                 continue
         buckets.append([i])
     return buckets
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for k in range(n):
+        if a[k] != b[k]:
+            return k
+    return n
+
+
+def _shared_prefixes(prompts: list[list[int]], min_tokens: int) -> list[tuple[list[int], int]]:
+    """Groups of distinct prompts that begin with the same tokens, as (indices, shared length): the
+    split that saves the most prefill tokens, (rows - 1) x shared length summed over groups. Sorted
+    prompts put each group together; a run of them splits at its weakest common length wherever the
+    two halves save more apart. A shared length stops one token short of the group's shortest prompt
+    (each row's last position still runs, for its logits); shorter than `min_tokens`, no group."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    common = [_common_length(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[list[int], int]]]:  # order[lo:hi+1]
+        if lo == hi:
+            return 0, []
+        members = order[lo:hi + 1]
+        n = min(min(common[lo:hi]), min(len(prompts[i]) for i in members) - 1)
+        whole = (n * (len(members) - 1), [(members, n)]) if n >= min_tokens else (0, [])
+        cut = lo + min(range(hi - lo), key=lambda k: common[lo + k])  # split after the weakest link
+        left, right = best(lo, cut), best(cut + 1, hi)
+        apart = (left[0] + right[0], left[1] + right[1])
+        return apart if apart[0] > whole[0] else whole
+
+    return best(0, len(order) - 1)[1] if len(order) > 1 else []
