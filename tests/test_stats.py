@@ -150,6 +150,8 @@ def test_the_run_summary_says_whether_success_moved_beyond_noise():
     assert "10.0% -> 70.0% on the same 10 games (+60.0 points; 6 games newly won, 0 lost; exact McNemar p = 0.031)" in line
     assert line.endswith("a gain beyond noise")
     assert learning_verdict([first, same]).endswith("not beyond noise")  # +2 -1: p = 1
+    one = {**moved, "won": 2, "success": 0.2, "outcomes": {g: int(g in {"g0", "g1"}) for g in games}}
+    assert "(+10.0 points; 1 game newly won, 0 lost;" in learning_verdict([first, one])
     assert learning_verdict([first]) is None
 
 

@@ -110,7 +110,7 @@ def paired_line(a: dict, b: dict, name_a: str, name_b: str) -> str:
     r = paired(a["outcomes"], b["outcomes"])
     head = (f"held-out success, {name_a} -> {name_b}: {100 * r['success_a']:.1f}% -> "
             f"{100 * r['success_b']:.1f}% on the same {r['games']} games ({r['difference_points']:+.1f} points; "
-            f"{len(r['won_only_by_b'])} games newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
+            f"{len(r['won_only_by_b'])} game{'' if len(r['won_only_by_b']) == 1 else 's'} newly won, {len(r['won_only_by_a'])} lost; exact McNemar p = {r['mcnemar_p']:.2g}): ")
     if r["mcnemar_p"] < 0.05:
         return head + ("a gain beyond noise" if r["difference_points"] > 0 else "a loss beyond noise")
     return head + "not beyond noise"
