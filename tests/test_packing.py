@@ -12,7 +12,7 @@ from agentrl.env.data import Game
 from agentrl.errors import UserError
 from agentrl.rollout.trajectory import Trajectory
 from agentrl.train import memory
-from agentrl.train.learner import LocalLearner
+from agentrl.train.learner import LocalLearner, lora_config
 from agentrl.train.loss import token_logprobs
 from agentrl.train.packing import (autocast_dtype, first_fit_decreasing, pack, sequence_logprobs, supports_packing,
                                    token_micro_batches)
@@ -69,6 +69,30 @@ def test_packed_log_probs_are_each_sequences_own(tiny_model, attention, packed):
                 n = len(seqs[i])
                 assert torch.allclose(got[k, :n], alone(model, seqs[i]), atol=1e-5)
                 assert not got[k, n:].any()  # right-padded with exact zeros
+
+
+def test_log_probs_of_the_action_tokens_alone_are_the_same_numbers_and_gradient(tiny_model):
+    """`masks`: the vocabulary projection runs at the action tokens only; there the log-probs and
+    the gradient of a loss on them are those of the projection over every position, 0 elsewhere."""
+    from peft import get_peft_model
+
+    model = get_peft_model(copy.deepcopy(tiny_model), lora_config(learner_cfg()))
+    seqs = sequences(4)
+    masks = [[int(k % 3 == 1 or k > n - 4) for k in range(n)] for n in map(len, seqs)]
+    batch = pack(seqs, [[0, 1], [2, 3]], "cpu", True)
+    results = []
+    for m in (None, masks):
+        model.zero_grad()
+        logp = sequence_logprobs(model, batch, chunk=16, masks=m)
+        weight = torch.zeros_like(logp)
+        for k, mask in enumerate(masks):
+            weight[k, : len(mask)] = torch.tensor(mask, dtype=weight.dtype)
+        (logp * weight).sum().backward()
+        results.append((logp.detach(), weight, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (full, weight, g_full), (picked, _, g_picked) = results
+    assert torch.allclose(picked, full * weight, atol=1e-6)  # the action tokens' numbers; 0 elsewhere
+    assert not picked[weight == 0].any() and picked[weight == 1].abs().min() > 0
+    assert g_full.abs().max() > 0 and (g_picked - g_full).abs().max() <= 1e-5 * g_full.abs().max(), (g_picked - g_full).abs().max()
 
 
 def trajectory(ids, index):

@@ -324,7 +324,7 @@ class LocalLearner:
         def loss_fn(model, rows):
             part_idx = [i for row in rows for i in row]
             part = [plan.work[i] for i in part_idx]
-            logp = sequence_logprobs(model, self.inputs(sequences, rows, constraints))
+            logp = sequence_logprobs(model, self.inputs(sequences, rows, constraints), masks=[t.action_mask for t, _ in part])
             width = logp.shape[1]
             mask = self._per_token([t.action_mask for t, _ in part], width)
             sampler_logp = self._per_token([t.logprobs for t, _ in part], width)
@@ -396,7 +396,8 @@ class LocalLearner:
 
     @torch.no_grad()
     def _logprobs(self, work, reference: bool = False) -> list[torch.Tensor]:
-        """Per trajectory, its token log-probs under the current policy (or the reference: the warm
+        """Per trajectory, its action tokens' log-probs (every other entry 0: nothing reads them) under
+        the current policy (or the reference: the warm
         start's weights swapped in for the pass: each parameter points at its reference tensor and
         back, no copy made), in eval mode (no dropout)."""
         self.model.eval()
@@ -411,7 +412,8 @@ class LocalLearner:
             out: list[torch.Tensor | None] = [None] * len(work)
             for rows in self.micro_batches([len(ids) for ids in sequences]):
                 with self.autocast():
-                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows, constraints))
+                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows, constraints),
+                                             masks=[work[i][0].action_mask for row in rows for i in row])
                 for k, i in enumerate(i for row in rows for i in row):
                     out[i] = logp[k, : len(sequences[i])].float().clone()
             return out
@@ -422,7 +424,7 @@ class LocalLearner:
 
     def logprobs(self, items: list) -> list[torch.Tensor]:
         """Per item (a trajectory or TrainItem, as `plan` forwards it: under prompt.history, `per_step_items`'s),
-        its token log-probs under the current policy, float32 on the learner's device: the update's
+        its action tokens' log-probs (0 elsewhere) under the current policy, float32 on the learner's device: the update's
         own pre-pass (`_logprobs`: micro-batches, packing, autocast, eval mode, and whatever per-token
         masks it applies). `agentrl rollout --verify-logprobs` checks the sampler against these."""
         return self._logprobs([(t, None) for t in items])
