@@ -177,7 +177,10 @@ def _lockstep(sampler, tokenizer, size, last_step=contextlib.nullcontext) -> dic
     unit = tokenizer(text, add_special_tokens=False).input_ids
     obs = tokenizer("You open the drawer 1. The drawer 1 is open. In it, you see a creditcard 2 and a pen 1.",
                     add_special_tokens=False).input_ids
-    prompts = [(unit * (context // len(unit) + 1))[: context - (r % 97)] for r in range(rows)]  # distinct lengths
+    # distinct lengths, and distinct from the first token (each row's number first), as mid-rollout
+    # contexts are: the engine runs a prefix that rows share once (sampling.share_prefixes)
+    prompts = [(tokenizer(f"{r}: ", add_special_tokens=False).input_ids + unit * (context // len(unit) + 1))[: context - (r % 97)]
+               for r in range(rows)]
     params = SamplingParams(temperature=1.0, max_new_tokens=new)
     keys = list(range(rows))
     stops, sampler.stop_ids = sampler.stop_ids, set()  # every row decodes the full length
