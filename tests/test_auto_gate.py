@@ -34,6 +34,20 @@ def test_the_spec_names_a_signal_and_starts_cutting_nothing():
     assert str(parse_gate("10,0.12")) == "10,0.12"
 
 
+def test_the_nowin_gate_cuts_a_group_with_no_row_ended_by_K_and_nothing_else():
+    g = parse_gate(" 10 , NoWin ")
+    assert g.nowin and g.K == 10 and str(g) == "10,nowin" and not g.auto
+    rule = gate_rule(g)
+    assert str(rule) == "10,nowin" and rule.K == 10
+    quiet = {s: 0.0 for s in SIGNALS}  # every other signal as converged as it gets: only who ended counts
+    assert rule.fires(quiet) and rule.fires({**quiet, "prefix_edit_distance_mean": 1.0})
+    assert not rule.fires({**quiet, "termination_fraction": 1 / 8})  # one row won by K: spared
+    with pytest.raises(UserError, match="give one of them"):
+        parse_gate("10,nowin", tau_H=0.5)
+    with pytest.raises(UserError, match="K,nowin"):
+        parse_gate("10,nowins")
+
+
 def test_a_known_separating_threshold_is_found():
     """Zero-variance groups at scores 0.00..0.29, informative ones at 0.31..0.99: the fit cuts
     exactly the zero-variance ones, its threshold between 0.29 and 0.31."""

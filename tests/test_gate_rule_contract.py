@@ -2,7 +2,8 @@
 
 - "threshold": `K,d_L`, the fixed CUT_{K,d_L} (with and without the OR-rule);
 - "auto": `K,auto`, the threshold fitted online from labelled groups (select/auto_gate.py);
-- "classifier": `K,auto:S1+S2`, a logistic classifier on several signals (select/classifier_gate.py).
+- "classifier": `K,auto:S1+S2`, a logistic classifier on several signals (select/classifier_gate.py);
+- "nowin": `K,nowin`, cut a group none of whose rows has ended by K (select/gate_rule.py).
 
 A rule decides from a group's seven signals at K alone (same signals and state, same answer),
 learns only through `learn`, and survives a checkpoint: a fresh rule from the same spec loaded
@@ -33,6 +34,7 @@ RULES = {
     "auto-entropy": ("3,auto:entropy", None, True),
     "classifier": ("3,auto:d+obs", None, True),
     "classifier-3": ("3,auto:entropy+bigram+obs", None, True),
+    "nowin": ("3,nowin", None, False),
 }
 AUTO = GateConfig(precision=0.8, min_labels=20)
 

@@ -14,6 +14,7 @@ from agentrl.errors import UserError
 
 _SPEC = re.compile(r"^\s*(\d+)\s*,\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*$")
 _AUTO = re.compile(r"^\s*(\d+)\s*,\s*auto\s*(?::\s*([a-z_+ ]+?)\s*)?$")
+_NOWIN = re.compile(r"^\s*(\d+)\s*,\s*nowin\s*$")
 
 # the signals (agentrl.rollout.signals.SIGNALS): the seed paper's seven, then two of issue 49 (the
 # share of invalid actions, the replies' mean negative log-prob). A group has converged when a
@@ -46,6 +47,7 @@ class GateSpec:
     auto: bool = False  # `K,auto`: d_L is re-fitted online from labelled groups (agentrl.select.auto_gate)
     signal: str = "prefix_edit_distance_mean"  # what d_L thresholds (`K,auto:SIGNAL`; d_K by default)
     signals: tuple[str, ...] = ()  # `K,auto:S1+S2+...`: the signals a classifier gate reads (select/classifier_gate.py)
+    nowin: bool = False  # `K,nowin`: cut a group none of whose rows has ended (won) by K (gate_rule.NoWin)
 
     def __post_init__(self):
         if self.K < 1:
@@ -56,10 +58,15 @@ class GateSpec:
             raise UserError(f"gate tau_H must be in [0, 1], got {self.tau_H}")
         if self.signal not in SIGNAL_NAMES:
             raise UserError(f"unknown gate signal {self.signal!r}; choose from {', '.join(SIGNAL_NAMES)}")
+        if self.nowin and self.tau_H is not None:
+            raise UserError("--gate K,nowin cuts groups none of whose rows has ended; the OR-rule (--gate-or-tau) "
+                            "cuts groups whose rows have: give one of them")
         if len(self.signals) == 1 or len(set(self.signals)) != len(self.signals):
             raise UserError(f"a classifier gate reads two or more distinct signals, got {'+'.join(self.signals)}")
 
     def __str__(self) -> str:
+        if self.nowin:
+            return f"{self.K},nowin"
         # an auto gate's threshold is fitted as it runs: its rule says the one in force (`str(rule)`)
         return gate_text(self.K, None if self.auto else self.d_L, self.tau_H, self.auto, "+".join(self.signals) or self.signal)
 
@@ -76,8 +83,8 @@ def gate_text(K: int, d_L: float | None, tau_H: float | None, auto: bool = False
 
 def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
     """'K,d_L' -> GateSpec; 'K,auto' or 'K,auto:SIGNAL' -> an auto gate (cuts nothing until fitted);
-    'K,auto:S1+S2+...' -> a classifier gate on those signals;
-    'off' / None -> no gate."""
+    'K,auto:S1+S2+...' -> a classifier gate on those signals; 'K,nowin' -> cut groups with no row
+    ended (won) by K; 'off' / None -> no gate."""
     if spec is None or spec.strip().lower() in ("off", "none", ""):
         if tau_H is not None:
             raise UserError("--gate-or-tau needs a gate (--gate K,d_L)")
@@ -92,9 +99,12 @@ def parse_gate(spec: str | None, tau_H: float | None = None) -> GateSpec | None:
                                 f"{', '.join(SIGNAL_NAMES)} (or d, d_K, bigram, prefixes, actions, entropy, obs, tau, invalid, nll)")
         return GateSpec(int(auto.group(1)), 0.0, tau_H, auto=True, signal=names[0],
                         signals=tuple(names) if len(names) > 1 else ())
+    nowin = _NOWIN.match(spec.strip().lower())
+    if nowin:
+        return GateSpec(int(nowin.group(1)), 0.0, tau_H, nowin=True)
     m = _SPEC.match(spec)
     if not m:
-        raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12), K,auto or off")
+        raise UserError(f"malformed gate {spec!r}; expected K,d_L (e.g. 10,0.12), K,auto, K,nowin or off")
     return GateSpec(int(m.group(1)), float(m.group(2)), tau_H)
 
 

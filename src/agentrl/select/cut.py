@@ -19,13 +19,16 @@ from agentrl.rollout.lockstep import row_seed
 from agentrl.select.auto_gate import FittedThreshold, read_warmup, read_warmup_rows
 from agentrl.select.classifier_gate import ClassifierGate, Example, row_ended
 from agentrl.select.base import StageStats
-from agentrl.select.gate_rule import GateLabel, GateRule, Threshold
+from agentrl.select.gate_rule import GateLabel, GateRule, NoWin, Threshold
 from agentrl.specs import GateSpec
 
 
 def gate_rule(spec: GateSpec, auto: GateConfig | None = None) -> GateRule:
     """The rule a parsed `--gate` spec names: a fixed threshold, or for `K,auto` the threshold
-    fitted online with the config's `gate` section (precision, min_labels, window, warmup)."""
+    fitted online with the config's `gate` section (precision, min_labels, window, warmup); for
+    `K,nowin` the rule that cuts groups with no row ended by K."""
+    if spec.nowin:
+        return NoWin(spec.K)
     if not spec.auto:
         return Threshold(spec.K, spec.d_L, spec.tau_H, spec.signal)
     a = auto or GateConfig()

@@ -6,7 +6,8 @@ fire), or, with the OR-rule, when the share of the group already finished tau_K 
 group's trajectories stop at K and the group is excluded from advantages and loss; its rewards
 are kept for logging only. `--gate K,auto` is the same threshold with d_L fitted online
 (`agentrl.select.auto_gate.FittedThreshold`); a learned classifier over several signals is a
-third rule with its own state. The CUT stage (`agentrl.select.cut`) asks the rule and feeds it
+third rule with its own state; `--gate K,nowin` (`NoWin`) cuts a group none of whose rows has
+ended by K, the all-fail rule of a policy whose failing rows wander. The CUT stage (`agentrl.select.cut`) asks the rule and feeds it
 labels; it never looks inside one.
 """
 
@@ -95,3 +96,32 @@ class Threshold:
 
     def __str__(self) -> str:
         return gate_text(self.K, self.d_L, self.tau_H)
+
+
+@dataclass(frozen=True)
+class NoWin:
+    """`--gate K,nowin`: cut a group none of whose rows has ended by step K. In ALFWorld an episode
+    ends before T_max only by winning, so the group has no win yet; on a policy that rarely wins
+    late such a group is all-fail (measured on 200 groups of the 120-game warm start: precision
+    0.93 at K 10, 0.49 at K 5; docs/gate.md). The classifier gate's guard, as a rule of its own:
+    nothing to fit, no labels needed. Fixed: no state."""
+
+    K: int
+
+    def fires(self, signals: Mapping[str, float]) -> bool:
+        return signals["termination_fraction"] == 0
+
+    def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
+        pass  # fixed: nothing to learn
+
+    def report(self) -> dict | None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __str__(self) -> str:
+        return f"{self.K},nowin"
