@@ -110,6 +110,41 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
         env.close()
 
 
+def test_a_closed_envs_planner_library_is_reused_not_kept(games):
+    """textworld loads a 34 MB copy of fast_downward's library per env and never unloads it (its
+    file, deleted, stays allocated while mapped: a long-lived worker filled the disk). A closed
+    env's copy goes to the next env: making and closing envs one after another maps one copy, and
+    an env on a reused copy plays its walkthrough as a fresh process does (uncached, textworld's own)."""
+    import os
+    import subprocess
+    import sys
+
+    def copies() -> set[str]:
+        return {line.split()[5] for line in open("/proc/self/maps") if "libdownward" in line and len(line.split()) > 5}
+
+    order = ["look_at_obj_in_light", "pick_and_place_simple", "pick_clean_then_place_in_recep", "pick_two_obj_and_place"]
+    before = None
+    for t in order:
+        env = AlfworldEnv(games[t])
+        env.reset()
+        before = before or copies()
+        env.close()
+        env.close()  # twice: harmless
+    assert len(copies() - before) == 0  # the later envs took the first one's copy
+
+    game = games["pick_heat_then_place_in_recep"]
+    env = AlfworldEnv(game)  # on a reused copy
+    first = env.reset()
+    steps = [env.step(a) for a in game.walkthrough]
+    env.close()
+    proc = subprocess.run([sys.executable, "-c", REPLAY, str(game.path)], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"AGENTRL_NO_GAME_CACHE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [[first.observation, first.admissible]] + [[r.observation, r.admissible, r.won] for r in steps] == fresh
+    assert steps[-1].won
+
+
 def test_the_translation_is_kept_on_disk_and_read_back_equal(games, tmp_path):
     """The PDDL->SAS translation of a real game is computed once, kept on disk, and read back
     equal by a later call (any process); a damaged file is translated again and rewritten, and a

@@ -119,6 +119,44 @@ def _kept_on_disk(translate, root: Path):
     return kept
 
 
+_FREE_LIBS: list = []  # fast_downward library copies whose env closed: the next env takes one
+
+
+@functools.lru_cache(maxsize=1)
+def _install_lib_pool() -> None:
+    """Every env loads its own copy of fast_downward's library (textworld: `fast_downward.load_lib()`,
+    a fresh 34 MB copy of libdownward.so under /tmp, dlopen'ed, its file deleted), and textworld
+    never unloads one: each env a process ever made kept 34 MB of disk until the process exited
+    (a deleted file stays allocated while mapped), so a long-lived worker filled the disk (the
+    replay of every train game did, at ~2,000 envs, 2026-11-27). Unloading (dlclose) crashes the
+    interpreter at exit, so a closed env's copy goes back to this process's free list instead and
+    the next env takes it: copies are as many as envs open at once. A copy is reused as textworld
+    itself reuses one at every reset (`load_sas` of the new task into the same library), after
+    the library's own `cleanup`."""
+    import fast_downward
+    from textworld.envs.pddl import pddl
+
+    load = fast_downward.load_lib
+
+    def pooled_load():
+        return _FREE_LIBS.pop() if _FREE_LIBS else load()
+
+    pddl.fast_downward = types.SimpleNamespace(**{**vars(fast_downward), "load_lib": pooled_load})
+
+
+def release_downward(env) -> None:
+    """Find the PddlEnv under textworld's wrappers and give its library copy back to the free list
+    (its planner state freed first). Nothing may call into the env afterwards."""
+    while env is not None:
+        lib = vars(env).get("downward_lib")  # its own attribute: a wrapper may forward attribute reads
+        if lib is not None:
+            env.downward_lib = None
+            lib.cleanup()
+            _FREE_LIBS.append(lib)
+            return
+        env = vars(env).get("_wrapped_env")
+
+
 def install_game_caches() -> None:
     """The caches above, unless AGENTRL_NO_GAME_CACHE is set (to compare with textworld's own behaviour)."""
     if not os.environ.get("AGENTRL_NO_GAME_CACHE"):
@@ -132,6 +170,7 @@ def warm_up() -> None:
     from alfworld.agents.environment import alfred_tw_env  # noqa: F401
 
     install_game_caches()
+    _install_lib_pool()
 
 
 def _memoised_parse(parse):
@@ -153,6 +192,7 @@ class AlfworldEnv:
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
         install_game_caches()
+        _install_lib_pool()  # always: a resource fix, not a cache
 
         self.game = game
         infos = textworld.EnvInfos(won=True, admissible_commands=True)
@@ -183,4 +223,8 @@ class AlfworldEnv:
         return StepResult(clean_observation(state.feedback), list(self._admissible), self.won, done or self.won)
 
     def close(self) -> None:
+        """End the game and give its copy of fast_downward's library to the next env
+        (`_install_lib_pool`: textworld's own close kept every copy, 34 MB of disk each, for the
+        life of the process). Closing twice is harmless."""
         self._env.close()
+        release_downward(self._env)
