@@ -151,7 +151,7 @@ def test_token_sized_prefill_forwards_sample_as_one_row_forwards(tiny_model, tok
     out, forwards = {}, {}
     for name, fits in [("one", lambda r, new, kv: r == 1),
                        ("tokens", lambda r, new, kv: prefill_fits(r, new, kv, heads=4, scores=False, per_token=1024))]:
-        sampler = HFSampler(tiny_model, tokenizer)
+        sampler = HFSampler(tiny_model, tokenizer, share_prefixes=False)  # the prompts share a prefix: run each whole
         sampler._prefill_fits = fits
         calls, run = [], sampler._prefill_bucket
         sampler._prefill_bucket = lambda bucket, *a, run=run, calls=calls: calls.append(len(bucket)) or run(bucket, *a)
