@@ -70,8 +70,24 @@ def threshold_fires(signals: Mapping[str, float], signal: str, d_L: float, tau_H
     return tau_H is not None and signals["termination_fraction"] >= tau_H
 
 
+class FixedRule:
+    """What a rule that never learns shares: no learning, nothing to report, no state."""
+
+    def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
+        pass  # fixed: nothing to learn
+
+    def report(self) -> dict | None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 @dataclass(frozen=True)
-class Threshold:
+class Threshold(FixedRule):
     """`--gate K,d_L`: CUT_{K,d_L}, fixed (d_K by default; plus the OR-rule when tau_H is set)."""
 
     K: int
@@ -82,24 +98,12 @@ class Threshold:
     def fires(self, signals: Mapping[str, float]) -> bool:
         return threshold_fires(signals, self.signal, self.d_L, self.tau_H)
 
-    def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
-        pass  # fixed: nothing to learn
-
-    def report(self) -> dict | None:
-        return None
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
     def __str__(self) -> str:
         return gate_text(self.K, self.d_L, self.tau_H)
 
 
 @dataclass(frozen=True)
-class NoWin:
+class NoWin(FixedRule):
     """`--gate K,nowin`: cut a group none of whose rows has ended by step K. In ALFWorld an episode
     ends before T_max only by winning, so the group has no win yet; on a policy that rarely wins
     late such a group is all-fail (measured on 200 groups of the 120-game warm start: precision
@@ -110,18 +114,6 @@ class NoWin:
 
     def fires(self, signals: Mapping[str, float]) -> bool:
         return signals["termination_fraction"] == 0
-
-    def learn(self, iteration: int, labels: Sequence[GateLabel]) -> None:
-        pass  # fixed: nothing to learn
-
-    def report(self) -> dict | None:
-        return None
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     def __str__(self) -> str:
         return f"{self.K},nowin"
