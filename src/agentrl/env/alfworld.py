@@ -99,9 +99,7 @@ def _kept_on_disk(translate, root: Path):
         path = root / key[:2] / f"{key}.pkl.z"
         try:
             return pickle.loads(zlib.decompress(path.read_bytes()))
-        except FileNotFoundError:
-            pass
-        except Exception:  # damaged (an interrupted write, another pickle format): translated again below
+        except Exception:  # not there yet, or damaged (an interrupted write, another pickle format): translated below
             pass
         out = translate(domain, problem, verbose=verbose, optimize=optimize)
         tmp = None
