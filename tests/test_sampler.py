@@ -228,7 +228,7 @@ def test_prompts_that_begin_alike_run_their_shared_prefix_once(tiny_model, token
 
 
 def test_shared_prefixes_choose_the_split_that_saves_most():
-    from agentrl.sampling.hf import _shared_prefixes
+    from agentrl.sampling.prefixes import shared_prefixes as _shared_prefixes
 
     sys_, ex1, ex2 = list(range(100, 120)), list(range(200, 260)), list(range(300, 340))
     prompts = [sys_ + ex1 + [1], sys_ + ex2 + [2], sys_ + ex1 + [3, 4], sys_ + ex2 + [5], sys_ + ex1 + [6]]

@@ -174,6 +174,9 @@ class LearnerConfig:
     # time, and a resumed CPU run repeats an uninterrupted one to the bit)
     tokens_per_microbatch: int | str | None = None
     packing: bool = True  # sequences packed into rows (no padding), each attending to itself; false: padded rows
+    # sequences of a micro-batch that begin alike (a group's first prompt) forward their shared prefix
+    # once, its keys and values (with grad) expanded over their suffixes (packing.fork; same gradient)
+    share_prefixes: bool = True
     autocast: str = "auto"  # auto (bf16 on a CUDA device with bf16, else off) | bf16 | off: the forward's matmuls
     # several optimizer steps per iteration (PPO-style): `epochs` passes over the iteration's
     # trajectories, each split into `minibatches` steps, with the clipped ratio against the policy

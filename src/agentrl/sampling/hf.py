@@ -46,6 +46,7 @@ from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
 from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, use_slot_attention
+from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.sampling.static import StaticDecoder, decode_static
 from agentrl.weights import WeightsRef
 
@@ -344,7 +345,7 @@ class HFSampler:
         a quarter of its real tokens; pads come first and are neither written nor attended), and rows
         that share a fresh prompt (a group's G trajectories at step 1) run it once: the others copy it.
         Fresh prompts that only begin alike (the system message and a task type's example) run their
-        shared prefix once too (`_shared_prefixes`), as vLLM's prefix caching does."""
+        shared prefix once too (`prefixes.shared_prefixes`), as vLLM's prefix caching does."""
         first: dict[tuple, int] = {}
         for i, (p, c) in enumerate(zip(prompts, cached)):
             if c == 0:
@@ -376,7 +377,7 @@ class HFSampler:
         """Run each shared prefix of the fresh rows once, in its first row's slot, copy it to the
         other rows' slots, and return `cached` with those rows starting after it. The copies hold the
         same keys and values a row's own prefill would write (same tokens, same positions)."""
-        shared = _shared_prefixes([prompts[i] for i in fresh], self.min_shared_prefix)
+        shared = shared_prefixes([prompts[i] for i in fresh], self.min_shared_prefix)
         if not shared:
             return cached
         cached = list(cached)
@@ -455,34 +456,3 @@ def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25) -> 
                 continue
         buckets.append([i])
     return buckets
-
-
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for k in range(n):
-        if a[k] != b[k]:
-            return k
-    return n
-
-
-def _shared_prefixes(prompts: list[list[int]], min_tokens: int) -> list[tuple[list[int], int]]:
-    """Groups of distinct prompts that begin with the same tokens, as (indices, shared length): the
-    split that saves the most prefill tokens, (rows - 1) x shared length summed over groups. Sorted
-    prompts put each group together; a run of them splits at its weakest common length wherever the
-    two halves save more apart. A shared length stops one token short of the group's shortest prompt
-    (each row's last position still runs, for its logits); shorter than `min_tokens`, no group."""
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    common = [_common_length(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
-
-    def best(lo: int, hi: int) -> tuple[int, list[tuple[list[int], int]]]:  # order[lo:hi+1]
-        if lo == hi:
-            return 0, []
-        members = order[lo:hi + 1]
-        n = min(min(common[lo:hi]), min(len(prompts[i]) for i in members) - 1)
-        whole = (n * (len(members) - 1), [(members, n)]) if n >= min_tokens else (0, [])
-        cut = lo + min(range(hi - lo), key=lambda k: common[lo + k])  # split after the weakest link
-        left, right = best(lo, cut), best(cut + 1, hi)
-        apart = (left[0] + right[0], left[1] + right[1])
-        return apart if apart[0] > whole[0] else whole
-
-    return best(0, len(order) - 1)[1] if len(order) > 1 else []

@@ -19,21 +19,19 @@ from pathlib import Path
 import torch
 
 from agentrl.rollout.trajectory import step_sequences
-from agentrl.train.packing import Packed, final_hidden, target_mask
+from agentrl.train.packing import Forked, Packed, trained_hidden
 
 REPLAY_STATE = "success_replay.json"  # in a learner state (a checkpoint's)
 
 
-def masked_nll_sum(model, batch: Packed, masks: list[list[int]]) -> tuple[torch.Tensor, int]:
+def masked_nll_sum(model, batch: Packed | Forked, masks: list[list[int]]) -> tuple[torch.Tensor, int]:
     """(sum of -log p over the reply tokens, their number) of one micro-batch, teacher-forced;
-    `masks`: the action masks of its sequences, in `batch.spans` order. The vocabulary
+    `masks`: the action masks of its sequences, in the micro-batch's order. The vocabulary
     projection runs on the reply positions only (about a tenth of the tokens)."""
-    chosen = target_mask(batch, masks)  # hidden state at p predicts token p + 1 of its sequence
-    hidden = final_hidden(model, batch)[chosen]
+    hidden, targets, _, _ = trained_hidden(model, batch, masks)
     logits = model.get_output_embeddings()(hidden).float()
-    targets = torch.roll(batch.input_ids, -1, dims=1)[chosen]
     nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    return nll, int(chosen.sum())
+    return nll, int(targets.shape[0])
 
 
 @dataclass
@@ -79,7 +77,8 @@ class SuccessReplay:
         n_tokens = max(1, sum(sum(c.action_mask[1:]) for c in items))  # position 0 is never predicted
 
         def loss_fn(model, rows):
-            nll, n = masked_nll_sum(model, learner.inputs(sequences, rows), [items[i].action_mask for row in rows for i in row])
+            masks = [items[i].action_mask for row in rows for i in row]
+            nll, n = masked_nll_sum(model, learner.inputs(sequences, rows, masks=masks), masks)
             return self.coef * nll / n_tokens, (float(nll.detach()), n)
 
         return [ReplayPart(rows) for rows in learner.micro_batches([len(s) for s in sequences])], loss_fn

@@ -31,7 +31,7 @@ from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
-from agentrl.train.packing import Packed, autocast, pack, sequence_logprobs, supports_packing, token_micro_batches
+from agentrl.train.packing import Forked, Packed, autocast, fork, pack, sequence_logprobs, supports_packing, token_micro_batches
 from agentrl.weights import WeightsRef, weights_kind
 
 __all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
@@ -203,9 +203,21 @@ class LocalLearner:
                     for s in range(0, len(lengths), cfg.micro_batch)]
         return token_micro_batches(lengths, budget, pack=self.packing)
 
-    def inputs(self, sequences: list[list[int]], rows: list[list[int]], constraints: list | None = None) -> Packed:
+    @property
+    def forks(self) -> bool:
+        """Sequences that begin alike share one prefix forward (learner.share_prefixes): on
+        transformers' own model code (it takes the prefix's cache) without activation checkpointing
+        (transformers drops the cache under it)."""
+        return (self.cfg.share_prefixes and supports_packing(self.model)
+                and not any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules()))
+
+    def inputs(self, sequences: list[list[int]], rows: list[list[int]], constraints: list | None = None,
+               masks: list[list[int]] | None = None) -> Packed | Forked:
         """One micro-batch's model inputs (`rows` index `sequences`), packed when the learner packs;
-        `constraints` (per sequence: `constraints_of`) carry admissible actions' allowed ids."""
+        `constraints` (per sequence: `constraints_of`) carry admissible actions' allowed ids; `masks`
+        (the action masks, in the micro-batch's order) let sequences that begin alike run as forks."""
+        if masks is not None and self.forks:
+            return fork(sequences, rows, masks, self.device, packed=self.packing, constraints=constraints)
         return pack(sequences, rows, self.device, packed=self.packing, constraints=constraints)
 
     def autocast(self):
@@ -324,7 +336,8 @@ class LocalLearner:
         def loss_fn(model, rows):
             part_idx = [i for row in rows for i in row]
             part = [plan.work[i] for i in part_idx]
-            logp = sequence_logprobs(model, self.inputs(sequences, rows, constraints), masks=[t.action_mask for t, _ in part])
+            masks = [t.action_mask for t, _ in part]
+            logp = sequence_logprobs(model, self.inputs(sequences, rows, constraints, masks), masks=masks)
             width = logp.shape[1]
             mask = self._per_token([t.action_mask for t, _ in part], width)
             sampler_logp = self._per_token([t.logprobs for t, _ in part], width)
@@ -411,9 +424,9 @@ class LocalLearner:
             constraints = constraints_of([t for t, _ in work])
             out: list[torch.Tensor | None] = [None] * len(work)
             for rows in self.micro_batches([len(ids) for ids in sequences]):
+                masks = [work[i][0].action_mask for row in rows for i in row]
                 with self.autocast():
-                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows, constraints),
-                                             masks=[work[i][0].action_mask for row in rows for i in row])
+                    logp = sequence_logprobs(self.model, self.inputs(sequences, rows, constraints, masks), masks=masks)
                 for k, i in enumerate(i for row in rows for i in row):
                     out[i] = logp[k, : len(sequences[i])].float().clone()
             return out

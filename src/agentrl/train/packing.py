@@ -14,6 +14,13 @@ compute the whole block-diagonal mask, O(row^2), so a wider row spends on attent
 saves on padding (on the CPU a 2,048-token row of three walkthroughs took 3-6x the attention
 time of the three alone; the learner's sequences differ in length, so rows of the longest
 still fill).
+
+Sequences of a micro-batch that begin alike (a group's G trajectories share their first prompt,
+~500 tokens of ~1,450 at T_max 30) run as a fork (`fork`, `learner.share_prefixes`): the shared
+prefix is forwarded once, with grad, and each suffix (right-padded) against its keys and values
+expanded over the rows, so every suffix's gradient flows into the one prefix forward. A prefix
+stops before any row's first action token, so it is never projected onto the vocabulary; a fork is
+taken only where it computes fewer tokens than the layout it replaces.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.train.loss import chunked_logprobs
 
 # the attention implementations whose masks transformers builds from packed position ids
@@ -103,6 +111,35 @@ class Packed:
         return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
 
+@dataclass
+class Fork:
+    """Sequences that begin alike: their shared prefix [1, P], run once, and their suffixes [M, S],
+    right-padded, each run against the prefix's keys and values. `members`: their places in the
+    micro-batch's sequence order."""
+
+    members: list[int]
+    prefix: torch.Tensor  # [1, P]
+    suffixes: torch.Tensor  # [M, S]
+    attention_mask: torch.Tensor  # [M, P + S]: the prefix and each suffix's own tokens
+    lengths: list[int]  # each member's whole length (P + its suffix)
+    allowed: torch.Tensor | None = None  # [M, S, A] as Packed.allowed, in the suffixes' layout
+
+    @property
+    def shared(self) -> int:
+        return self.prefix.shape[1]
+
+
+@dataclass
+class Forked:
+    """A micro-batch with forks: `forks`, and the other sequences packed as before (`rest`, None
+    when every sequence is in a fork; `rest_members` their places in the micro-batch's order)."""
+
+    forks: list[Fork]
+    rest: Packed | None
+    rest_members: list[int]
+    lengths: list[int]  # every sequence's length, in the micro-batch's order
+
+
 def pack(sequences: list[list[int]], rows: list[list[int]], device, packed: bool = True,
          constraints: list | None = None) -> Packed:
     """Model inputs for `rows` (lists of indices into `sequences`); spans come in sequence order
@@ -153,6 +190,57 @@ def allowed_ids(shape, spans: list[tuple[int, int, int]], constraints: list, dev
     return out.to(device)
 
 
+def first_action(mask: list[int]) -> int:
+    """The position of a sequence's first action token (its length when it has none)."""
+    return next((t for t, m in enumerate(mask) if m), len(mask))
+
+
+def fork(sequences: list[list[int]], rows: list[list[int]], masks: list[list[int]], device, packed: bool = True,
+         constraints: list | None = None, min_prefix: int = 64) -> Packed | Forked:
+    """`pack`'s micro-batch, with the sequences that begin alike run as forks (`Fork`). `masks`: the
+    action masks, in the micro-batch's sequence order (rows flattened). A shared prefix (`prefixes.
+    shared_prefixes` over each sequence up to its first action token: so it ends before any token a
+    loss reads) of at least `min_prefix` tokens makes a fork when the fork computes fewer tokens than
+    its members do in the layout it replaces (packed: their lengths; padded rows: the widest row each).
+    No fork pays: `pack`'s Packed, unchanged."""
+    order = [i for row in rows for i in row]
+    lengths = [len(sequences[i]) for i in order]
+    heads = [sequences[i][: first_action(m)] for i, m in zip(order, masks)]
+    width = max(sum(len(sequences[i]) for i in row) for row in rows)
+    forks, forked = [], set()
+    for members, n in shared_prefixes(heads, min_prefix):
+        members = sorted(members)
+        widest = max(lengths[k] for k in members) - n
+        now = sum(lengths[k] for k in members) if packed else width * len(members)
+        if n + widest * len(members) >= now:
+            continue
+        forks.append(_fork(sequences, order, members, n, widest, device, constraints))
+        forked.update(members)
+    if not forks:
+        return pack(sequences, rows, device, packed, constraints)
+    rest_members = [k for k in range(len(order)) if k not in forked]
+    place = {i: k for k, i in enumerate(order)}
+    rest_rows = [r for r in ([i for i in row if place[i] not in forked] for row in rows) if r]
+    rest = pack(sequences, rest_rows, device, packed, constraints) if rest_rows else None
+    return Forked(forks, rest, rest_members, lengths)
+
+
+def _fork(sequences, order, members: list[int], n: int, widest: int, device, constraints) -> Fork:
+    seqs = [sequences[order[k]] for k in members]
+    suffixes = torch.zeros((len(members), widest), dtype=torch.long)
+    attn = torch.zeros((len(members), n + widest), dtype=torch.long)
+    attn[:, :n] = 1
+    for m, ids in enumerate(seqs):
+        suffixes[m, : len(ids) - n] = torch.as_tensor(ids[n:])
+        attn[m, n : len(ids)] = 1
+    allowed = None
+    if constraints:  # the suffix layout puts a sequence's position p at p - n (no action token lies before n)
+        allowed = allowed_ids(suffixes.shape, [(m, -n, len(ids)) for m, ids in enumerate(seqs)],
+                              [constraints[order[k]] for k in members], device)
+    return Fork(members, torch.as_tensor(seqs[0][:n])[None].to(device), suffixes.to(device), attn.to(device),
+                [len(ids) for ids in seqs], allowed)
+
+
 def supports_packing(model) -> bool:
     """Whether the model's attention masks packed sequences from position ids (else: padded rows):
     transformers' own model code (its masks come from masking_utils; remote code may build its
@@ -178,24 +266,92 @@ def target_mask(batch: Packed, masks: list[list[int]]) -> torch.Tensor:
     return out.to(batch.input_ids.device)
 
 
-def sequence_logprobs(model, batch: Packed, chunk: int = 512, masks: list[list[int]] | None = None) -> torch.Tensor:
+def trained_hidden(model, batch: Packed | Forked, masks: list[list[int]]):
+    """The final-norm hidden states where a loss reads them, for a packed or forked micro-batch:
+    (hidden [K, h], targets [K], allowed [K, A] or None, (sequence, position) [K] each): the state
+    that predicts token t of sequence k wherever its action mask is 1 (t >= 1), in some fixed order.
+    `masks`: per sequence, in the micro-batch's order."""
+    if isinstance(batch, Forked):
+        return _forked_hidden(model, batch, masks)
+    chosen = target_mask(batch, masks)  # hidden state at p predicts token p + 1 of its sequence
+    hidden = final_hidden(model, batch)[chosen]
+    targets = torch.roll(batch.input_ids, -1, dims=1)[chosen]
+    allowed = None if batch.allowed is None else torch.roll(batch.allowed, -1, dims=1)[chosen]
+    where = [(k, t) for k, ((_, _, n), m) in enumerate(zip(batch.spans, masks)) for t in range(1, n) if m[t]]
+    return hidden, targets, allowed, _index(where, hidden.device)
+
+
+def _forked_hidden(model, batch: Forked, masks: list[list[int]]):
+    pieces = []
+    if batch.rest is not None:
+        h, y, a, (k, t) = trained_hidden(model, batch.rest, [masks[j] for j in batch.rest_members])
+        pieces.append((h, y, a, (torch.as_tensor(batch.rest_members, device=k.device)[k], t)))
+    for f in batch.forks:
+        n = f.shared
+        hidden = fork_hidden(model, f)
+        chosen = torch.zeros(f.suffixes.shape, dtype=torch.bool)
+        for m, k in enumerate(f.members):  # suffix position j predicts the member's token n + j + 1
+            chosen[m, : f.lengths[m] - n - 1] = torch.as_tensor(masks[k][n + 1 : f.lengths[m]], dtype=torch.bool)
+        chosen = chosen.to(hidden.device)
+        targets = torch.roll(f.suffixes, -1, dims=1)[chosen]
+        allowed = None if f.allowed is None else torch.roll(f.allowed, -1, dims=1)[chosen]
+        where = [(k, n + j + 1) for m, k in enumerate(f.members) for j in range(f.lengths[m] - n - 1) if masks[k][n + j + 1]]
+        pieces.append((hidden[chosen], targets, allowed, _index(where, hidden.device)))
+    hidden = torch.cat([p[0] for p in pieces])
+    targets = torch.cat([p[1] for p in pieces])
+    allowed = None
+    if any(p[2] is not None for p in pieces):
+        width = max(p[2].shape[1] for p in pieces if p[2] is not None)
+        allowed = torch.cat([torch.nn.functional.pad(p[2], (0, width - p[2].shape[1]), value=-1) if p[2] is not None
+                             else p[1].new_full((p[1].shape[0], width), -1) for p in pieces])
+    return hidden, targets, allowed, (torch.cat([p[3][0] for p in pieces]), torch.cat([p[3][1] for p in pieces]))
+
+
+def _index(where: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.as_tensor([w[0] for w in where], dtype=torch.long, device=device)
+    return k, torch.as_tensor([w[1] for w in where], dtype=torch.long, device=device)
+
+
+def fork_hidden(model, f: Fork) -> torch.Tensor:
+    """[M, S, h] the final-norm hidden states of a fork's suffixes: the prefix forwarded once (its
+    cache kept, with grad), its keys and values expanded over the M rows (a view: the suffix
+    forward's concatenation is the only copy), then the suffixes at positions P.. against them."""
+    from agentrl.sampling.hf import cache_kwarg  # the forward's name for the cache (transformers 5 renamed it)
+
+    name = cache_kwarg(model)
+    out = model(input_ids=f.prefix, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, name, None) or getattr(out, "past_key_values", None)
+    rows = f.suffixes.shape[0]
+    for layer in cache.layers:
+        layer.keys = layer.keys.expand(rows, -1, -1, -1)
+        layer.values = layer.values.expand(rows, -1, -1, -1)
+    positions = (torch.arange(f.suffixes.shape[1], device=f.suffixes.device) + f.shared)[None].expand(rows, -1)
+    out = model(input_ids=f.suffixes, attention_mask=f.attention_mask, position_ids=positions, use_cache=True,
+                output_hidden_states=True, logits_to_keep=1, **{name: cache})
+    return out.hidden_states[-1]
+
+
+def sequence_logprobs(model, batch: Packed | Forked, chunk: int = 512, masks: list[list[int]] | None = None) -> torch.Tensor:
     """[N, longest] log p(token t | the sequence's tokens < t) per sequence, entry 0 = 0, right-padded
     with 0: what `loss.token_logprobs` gives for the same sequences unpacked. The vocabulary
     projection runs in chunks of `chunk` positions (recomputed in backward). Where the batch
     carries `allowed` ids (admissible actions) a log-prob is renormalised over them, as sampled.
-    `masks` (per sequence, as the spans: the action masks): only the tokens masked 1 get their
-    log-prob, every other entry is 0. The projection onto the vocabulary is about a quarter of a
-    learn step's compute on the default model, and the losses read action tokens only."""
+    `masks` (per sequence, in the micro-batch's order: the action masks): only the tokens masked 1
+    get their log-prob, every other entry is 0 (a forked batch needs them). The projection onto the
+    vocabulary is about a quarter of a learn step's compute on the default model, and the losses
+    read action tokens only."""
+    lm_head = model.get_output_embeddings()
+    if masks is not None:  # the trained positions only, gathered into one row; the same per-position numbers
+        hidden, targets, allowed, (k, t) = trained_hidden(model, batch, masks)
+        picked = chunked_logprobs(lm_head, hidden[None], targets[None], chunk, None if allowed is None else allowed[None])[0]
+        lengths = batch.lengths if isinstance(batch, Forked) else [n for _, _, n in batch.spans]
+        out = picked.new_zeros((len(lengths), max(lengths)))
+        return out.index_put((k, t), picked)
+    if isinstance(batch, Forked):
+        raise ValueError("a forked micro-batch needs its action masks")
     hidden = final_hidden(model, batch)[:, :-1]
     allowed = None if batch.allowed is None else batch.allowed[:, 1:]  # the token at p + 1, predicted at p
-    lm_head, targets = model.get_output_embeddings(), batch.input_ids[:, 1:]
-    if masks is None:
-        logp = chunked_logprobs(lm_head, hidden, targets, chunk, allowed)
-    else:  # the trained positions only, gathered into one row; the same per-position numbers
-        chosen = target_mask(batch, masks)[:, :-1]
-        picked = chunked_logprobs(lm_head, hidden[chosen][None], targets[chosen][None], chunk,
-                                  None if allowed is None else allowed[chosen][None])[0]
-        logp = torch.zeros(chosen.shape, dtype=picked.dtype, device=picked.device).masked_scatter(chosen, picked)
+    logp = chunked_logprobs(lm_head, hidden, batch.input_ids[:, 1:], chunk, allowed)
     # entry t of a sequence is predicted at its position t - 1: shift right by one within the row
     rows = torch.cat([logp.new_zeros((logp.shape[0], 1)), logp], dim=1)
     seqs = [torch.cat([rows.new_zeros(1), rows[r, s + 1 : s + n]]) for r, s, n in batch.spans]

@@ -226,9 +226,9 @@ def heldout_nll(learner: LocalLearner, examples: list[Example]) -> float | None:
     sequences = [e.token_ids for e in examples]
     total, n = 0.0, 0
     for rows in example_micro_batches(learner, examples):
+        masks = [examples[i].action_mask for row in rows for i in row]
         with learner.autocast():
-            s, k = masked_nll_sum(learner.model, learner.inputs(sequences, rows),
-                                  [examples[i].action_mask for row in rows for i in row])
+            s, k = masked_nll_sum(learner.model, learner.inputs(sequences, rows, masks=masks), masks)
         total, n = total + float(s), n + k
     return total / max(n, 1)
 
@@ -386,8 +386,8 @@ def nll_loss(learner: LocalLearner, examples: list[Example], n_tokens: int):
     sequences = [e.token_ids for e in examples]
 
     def loss_fn(model, rows: list[list[int]]):
-        loss_sum, _ = masked_nll_sum(model, learner.inputs(sequences, rows),
-                                     [examples[i].action_mask for row in rows for i in row])
+        masks = [examples[i].action_mask for row in rows for i in row]
+        loss_sum, _ = masked_nll_sum(model, learner.inputs(sequences, rows, masks=masks), masks)
         return loss_sum / n_tokens, float(loss_sum.detach())
 
     return loss_fn
