@@ -228,20 +228,20 @@ def test_prompts_that_begin_alike_run_their_shared_prefix_once(tiny_model, token
 
 
 def test_shared_prefixes_choose_the_split_that_saves_most():
-    from agentrl.sampling.prefixes import shared_prefixes as _shared_prefixes
+    from agentrl.sampling.prefixes import shared_prefixes
 
     sys_, ex1, ex2 = list(range(100, 120)), list(range(200, 260)), list(range(300, 340))
     prompts = [sys_ + ex1 + [1], sys_ + ex2 + [2], sys_ + ex1 + [3, 4], sys_ + ex2 + [5], sys_ + ex1 + [6]]
-    groups = sorted((sorted(m), n) for m, n in _shared_prefixes(prompts, 16))
+    groups = sorted((sorted(m), n) for m, n in shared_prefixes(prompts, 16))
     assert groups == [([0, 2, 4], 80), ([1, 3], 60)]  # apart: 2 x 80 + 60 saved, against 4 x 20 together
     # only the system message in common: one group of all
-    assert _shared_prefixes([sys_ + [3], sys_ + [1, 2], sys_ + [4, 5, 6]], 16) == [([1, 0, 2], 20)]
+    assert shared_prefixes([sys_ + [3], sys_ + [1, 2], sys_ + [4, 5, 6]], 16) == [([1, 0, 2], 20)]
     # a prompt that is another's prefix: the shared part stops a token short of it (its last position runs)
-    assert _shared_prefixes([sys_, sys_ + [7, 8]], 16) == [([0, 1], 19)]
+    assert shared_prefixes([sys_, sys_ + [7, 8]], 16) == [([0, 1], 19)]
     # shorter than the minimum, or nothing in common: no group
-    assert _shared_prefixes([sys_[:10] + [1], sys_[:10] + [2]], 16) == []
-    assert _shared_prefixes([[1, 2, 3] * 10, [4, 5, 6] * 10], 16) == []
-    assert _shared_prefixes([sys_], 16) == []
+    assert shared_prefixes([sys_[:10] + [1], sys_[:10] + [2]], 16) == []
+    assert shared_prefixes([[1, 2, 3] * 10, [4, 5, 6] * 10], 16) == []
+    assert shared_prefixes([sys_], 16) == []
 
 
 def test_rows_of_unequal_lengths_batched_with_pads_sample_as_alone(tiny_model, tokenizer):

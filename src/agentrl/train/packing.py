@@ -295,8 +295,9 @@ def _forked_hidden(model, batch: Forked, masks: list[list[int]]):
         chosen = chosen.to(hidden.device)
         targets = torch.roll(f.suffixes, -1, dims=1)[chosen]
         allowed = None if f.allowed is None else torch.roll(f.allowed, -1, dims=1)[chosen]
-        where = [(k, n + j + 1) for m, k in enumerate(f.members) for j in range(f.lengths[m] - n - 1) if masks[k][n + j + 1]]
-        pieces.append((hidden[chosen], targets, allowed, _index(where, hidden.device)))
+        row, j = chosen.nonzero(as_tuple=True)  # the order boolean indexing takes
+        where = (torch.as_tensor(f.members, device=hidden.device)[row], j + n + 1)
+        pieces.append((hidden[chosen], targets, allowed, where))
     hidden = torch.cat([p[0] for p in pieces])
     targets = torch.cat([p[1] for p in pieces])
     allowed = None
@@ -319,8 +320,7 @@ def fork_hidden(model, f: Fork) -> torch.Tensor:
     from agentrl.sampling.hf import cache_kwarg  # the forward's name for the cache (transformers 5 renamed it)
 
     name = cache_kwarg(model)
-    out = model(input_ids=f.prefix, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, name, None) or getattr(out, "past_key_values", None)
+    cache = getattr(model(input_ids=f.prefix, use_cache=True, logits_to_keep=1), name)
     rows = f.suffixes.shape[0]
     for layer in cache.layers:
         layer.keys = layer.keys.expand(rows, -1, -1, -1)
