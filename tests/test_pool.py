@@ -154,3 +154,23 @@ def test_a_worker_whose_parent_is_gone_exits_quietly(capfd):
     proc.join(timeout=60)
     assert proc.exitcode == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_an_env_that_fails_is_closed_and_gives_its_library_copy_back(games):
+    """A real game whose step raises (the raise is the test's: a real engine failure cannot be
+    provoked on demand): the worker drops the env and closes it, so its copy of fast_downward's
+    library goes back to the free list instead of staying mapped for the worker's life."""
+    from agentrl.env import alfworld
+    from agentrl.env.pool import apply_batch
+
+    class Breaks(AlfworldEnv):
+        def step(self, command):
+            raise RuntimeError("the engine broke")
+
+    game = games["pick_and_place_simple"]
+    envs: dict = {}
+    assert "Your task is to:" in apply_batch(envs, Breaks, "reset", [(0, game)])[0].observation
+    free = len(alfworld._FREE_LIBS)
+    [out] = apply_batch(envs, Breaks, "step", [(0, "look")])
+    assert isinstance(out, EnvFailure) and "the engine broke" in out.message
+    assert envs == {} and len(alfworld._FREE_LIBS) == free + 1

@@ -79,9 +79,18 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
             elif op == "replay":  # a whole walkthrough, its env opened and closed here (replay.py)
                 out.append(replay_game(make_env, *arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
-            envs.pop(handle, None)
+            _close_quietly(envs.pop(handle, None))  # its library copy goes back to the free list
             out.append(EnvFailure(str(e) if isinstance(e, GameLoadError) else f"{e.__class__.__name__}: {e}"))
     return out
+
+
+def _close_quietly(env) -> None:
+    """Close an env that failed; a second failure while closing it is not reported (the first is)."""
+    if env is not None:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
