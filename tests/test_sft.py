@@ -430,6 +430,8 @@ def test_a_warm_start_is_reused_only_for_the_same_recipe(warm_start, tiny_actor_
     out, summary = warm_start
     same = sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)})
     assert reusable(same, out) == json.loads((out / "agentrl.json").read_text()) and summary["recipe"]
+    assert reusable(sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root),
+                               "sft.checkpoint_minutes": 0.0}), out)  # how often it is kept is not the recipe
     for change in ({"sft.epochs": 4}, {"learner.lora_r": 8}, {"seed": 1}, {"sft.games": 3}):
         assert reusable(sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root)} | change), out) is None
     assert reusable(same, out.parent / "nothing-here") is None
@@ -452,3 +454,83 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     constant = lr_lambda(dataclasses.replace(s, schedule="constant", warmup=0.0), 100)
     assert {constant(n) for n in range(100)} == {1.0}
 
+
+
+def _sft_yaml(tmp_path: Path, tiny_actor_dir, data_root, **sft) -> Path:
+    """sft_cfg's settings as a config file, for `agentrl sft` in a process of its own."""
+    path = tmp_path / "sft.yaml"
+    path.write_text(json.dumps({  # JSON is YAML
+        "model": {"name": str(tiny_actor_dir)}, "data": {"root": str(data_root)}, "env": {"workers": 0},
+        "learner": {"lora_r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "sft": {"games": 2, "heldout_games": 2, "epochs": 3, "lr": 1e-2, "batch_games": 1} | sft}))
+    return path
+
+
+@pytest.mark.parametrize("killed_in", [4, 5])  # mid-epoch (epoch 2's second step), and at an epoch's end
+def test_a_killed_warm_start_continues_from_its_checkpoint_and_equals_an_uninterrupted_one(
+        tmp_path, warm_start, tiny_actor_dir, data_root, killed_in):
+    """`agentrl sft` SIGKILLed in optimizer step 4 or 5 of 6 (AGENTRL_FAULT: the process really kills
+    itself there), checkpoints every step: the same command again continues at the step before (the LoRA,
+    AdamW, the lr schedule and the RNG restored, the batch order drawn again) and writes the
+    adapter an uninterrupted run wrote (the module's warm start, the same settings in this
+    process), bit for bit; OUT.partial/ goes once OUT is written."""
+    import os
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ws"
+    config = _sft_yaml(tmp_path, tiny_actor_dir, data_root, checkpoint_minutes=0)
+    env = os.environ | {"AGENTRL_FAULT": f"kill:update@{killed_in}"}
+    killed = subprocess.run([sys.executable, "-m", "agentrl.cli", "sft", "--config", str(config), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert killed.returncode == -9, killed.stderr
+    assert not out.exists() and (tmp_path / "ws.partial" / "checkpoints" / "latest").read_text().strip() == f"step{killed_in - 1:06d}"
+    again = agentrl("sft", "--config", str(config), "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    shown = " ".join((again.stdout + again.stderr).split())  # (the progress bar's lines go to stderr, wrapped)
+    assert "continuing" in shown and f"at step {killed_in - 1} of 6" in shown, shown
+    assert not (tmp_path / "ws.partial").exists()
+    straight, _ = warm_start
+    a = load_file(str(out / "adapter_model.safetensors"))
+    b = load_file(str(straight / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (out / "sft_metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (straight / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["heldout_nll"], r["train_nll"]) for r in rows[1:]] == \
+        [(r["epoch"], r["heldout_nll"], r["train_nll"]) for r in want[1:]]
+    assert json.loads((out / "agentrl.json").read_text())["sft"]["resumed_at_steps"] == [killed_in - 1]
+
+
+def test_an_unfinished_warm_start_of_another_recipe_is_refused_unless_discarded(tmp_path, tiny_actor_dir, tokenizer,
+                                                                                 data_root):
+    """A full disk in step 2 (ENOSPC, in this process) leaves step 1's checkpoint: a run with
+    another lr is refused in one line naming the setting, and --no-resume (resume False) or
+    --force discards the checkpoint and starts over."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.errors import UserError
+    from agentrl.train.sft import unfinished
+
+    out = tmp_path / "ws"
+    base = {"model.name": str(tiny_actor_dir), "data.root": str(data_root), "sft.checkpoint_minutes": 0.0,
+            "sft.epochs": 1, "sft.heldout_games": 0}
+
+    def run(resume=True, force=False, **change):
+        model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir)
+        return run_sft(sft_cfg(**base | change), out, force=force, model=model, tokenizer=tokenizer,
+                       cache_dir=tmp_path / "cache", resume=resume)
+
+    os.environ["AGENTRL_FAULT"] = "enospc:update@2"
+    try:
+        with pytest.raises(OSError):
+            run()
+    finally:
+        del os.environ["AGENTRL_FAULT"]
+    assert unfinished(out).name == "step000001"
+    with pytest.raises(UserError, match=r"another recipe \(sft\.lr 0\.01 -> 0\.02\), at step 1 of 2"):
+        run(**{"sft.lr": 2e-2})
+    assert unfinished(out).name == "step000001"  # refused: kept
+    summary = run(resume=False)
+    assert "resumed_at_steps" not in summary["sft"] and unfinished(out) is None and out.is_dir()

@@ -224,6 +224,10 @@ class SftConfig:
     grad_clip: float = 1.0
     heldout_split: str = "valid_seen"
     heldout_games: int = 12  # walkthroughs whose NLL is measured after each epoch (0: none)
+    # a checkpoint (LoRA, optimizer, lr schedule, position) in OUT.partial/ at the first optimizer step
+    # this many minutes after the last (0: every step; null: none); the same command continues it.
+    # How often is not part of the recipe: a resumed warm start equals an uninterrupted one
+    checkpoint_minutes: float | None = 10.0
 
 
 @dataclass
@@ -527,6 +531,8 @@ def _check_sft(c: Config) -> Checks:
         (s.schedule in ("constant", "cosine"), f"sft.schedule must be constant or cosine, got {s.schedule!r}"),
         (0 <= s.min_lr_ratio <= 1, f"sft.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}"),
         (s.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {s.heldout_games}"),
+        (s.checkpoint_minutes is None or s.checkpoint_minutes >= 0,
+         f"sft.checkpoint_minutes must be >= 0 (0: every step; null: never), got {s.checkpoint_minutes}"),
         (s.split in SPLITS and s.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),
     ]
 

@@ -267,6 +267,8 @@ def sft_cmd(
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
     reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,
+    resume: opt(bool, None, "Continue the unfinished warm start of this recipe in OUT.partial/ (its checkpoints, every sft.checkpoint_minutes); --no-resume discards it.") = True,
+    checkpoint_minutes: opt(OptFloat, "sft.checkpoint_minutes", "Minutes between checkpoints in OUT.partial/ (0: every optimizer step; default 10).") = None,
     model: ModelOpt = None,
     seed: opt(OptInt, "seed", "Seed (LoRA init, batch order).") = None,
     data: DataOpt = None,
@@ -295,7 +297,8 @@ def sft_cmd(
             bar.update(task, advance=n, info=f"nll {info['nll']:.3f}" if "nll" in info else "")
 
         hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name), total),
-                             advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)))
-        summary = sft.run_sft(cfg, out, force, hooks, sources=sources)
+                             advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)),
+                             note=bar.console.print)
+        summary = sft.run_sft(cfg, out, force, hooks, sources=sources, resume=resume)
     for line in sft_summary_lines(summary, out):
         console.print(line)

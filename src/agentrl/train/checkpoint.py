@@ -84,10 +84,12 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
-def save(run: Path, state: TrainState, learner: Learner) -> Path:
-    """Write checkpoint `it{iteration}` atomically and point `latest` at it; return its path."""
+def save(run: Path, state, learner: Learner, name: str | None = None, resume: str | None = None) -> Path:
+    """Write checkpoint `name` (default `it{iteration}`) atomically and point `latest` at it;
+    return its path. `state`: a dataclass (TrainState, or sft's SftState); `resume`: the command
+    that continues the run (named when the disk refuses a checkpoint)."""
     root = run / "checkpoints"
-    final = root / f"it{state.iteration:05d}"
+    final = root / (name or f"it{state.iteration:05d}")
     try:
         with atomic_path(final) as tmp:  # a previous attempt at this iteration that never became `latest` is replaced
             learner.save_state(tmp)  # adapter, optimizer, RNG (the learner may live in another process)
@@ -104,7 +106,7 @@ def save(run: Path, state: TrainState, learner: Learner) -> Path:
             previous = latest(run)
             raise RunError(f"cannot write checkpoint {final.name}: {e.strerror or e}; the run keeps "
                            f"{previous.name if previous else 'no checkpoint'}: fix it, then "
-                           f"`agentrl train --resume {run}`") from None
+                           f"`{resume or f'agentrl train --resume {run}'}`") from None
         raise
     for old in root.iterdir():  # only now: `latest` already names the new one
         if old != final and old.name != "latest":
@@ -135,14 +137,12 @@ def latest(run: Path) -> Path | None:
     return path
 
 
-def load(path: Path, learner: Learner) -> tuple[TrainState, WeightsRef]:
-    """Restore the learner's adapter weights, optimizer and RNG; return the loop state and the
-    weights the learner now holds (the sampler serves them from the resumed run's first rollout)."""
+def load(path: Path, learner: Learner, state_type=TrainState) -> tuple:
+    """Restore the learner's adapter weights, optimizer and RNG; return the loop state (a
+    `state_type`) and the weights the learner now holds (the sampler serves them from the resumed
+    run's first rollout)."""
     try:
-        fields = json.loads((path / STATE).read_text())
-        if (path / TENSORS).is_file():
-            fields = _join_tensors(fields, load_file(str(path / TENSORS)))
-        state = TrainState(**fields)
+        state = read_state(path, state_type)
         weights = learner.load_state(path, state.adapter_version)  # safetensors + torch.load(weights_only=True): no code runs
     except UserError:
         raise
@@ -150,3 +150,11 @@ def load(path: Path, learner: Learner) -> tuple[TrainState, WeightsRef]:
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
         raise UserError(f"cannot load checkpoint {path}: {e.__class__.__name__}: {first}") from None
     return state, weights
+
+
+def read_state(path: Path, state_type=TrainState):
+    """The loop state of checkpoint `path` alone (no weights loaded)."""
+    fields = json.loads((path / STATE).read_text())
+    if (path / TENSORS).is_file():
+        fields = _join_tensors(fields, load_file(str(path / TENSORS)))
+    return state_type(**fields)

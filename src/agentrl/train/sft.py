@@ -27,12 +27,14 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from agentrl import faults
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
 from agentrl.env.data import round_robin, spread
@@ -46,6 +48,7 @@ from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
 from agentrl.sampling.base import Completion, SamplingParams
+from agentrl.train import checkpoint
 from agentrl.train.bc import masked_nll_sum  # noqa: F401 (sft's loss; tests import it from here)
 from agentrl.train.learner import LocalLearner, build_learner
 from agentrl.train.rft import rollout_file, won_rollouts
@@ -241,6 +244,7 @@ class SftHooks:
     phase: callable = lambda name, total=None: None  # "replay" | "heldout" | "train"
     advance: callable = lambda n=1, **info: None
     done: callable = lambda row: None
+    note: callable = lambda text: None  # a line to show (a resumed run says where it continues)
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -271,7 +275,7 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
                        **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
             "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
                      "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
-            "sft": asdict(cfg.sft), "dataset_version": DATASET_VERSION,
+            "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE}, "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {})}
 
 
@@ -287,19 +291,103 @@ def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict 
         done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     else:  # full fine-tuning's model directory
         done = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    files = [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources or []]
-    return record if done and record.get("recipe") == recipe(sft_prompt(cfg), files or None) else None
+    return record if done and record.get("recipe") == recipe(sft_prompt(cfg), source_digests(sources)) else None
+
+
+def source_digests(sources: list[Path] | None) -> list[dict] | None:
+    """`--from`'s files as the recipe names them (their contents' digests); None without --from."""
+    return [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources] if sources else None
+
+
+# ---------------------------------------------------------------- checkpoints: a killed warm start continues
+NOT_RECIPE = ("checkpoint_minutes",)  # sft settings that decide how a run is kept, not what it learns
+
+
+@dataclass
+class SftState:
+    """Where a warm start stands at a checkpoint (the learner's weights, optimizer and RNG lie beside
+    it). The batch order is not stored: it is drawn again from the seed, the same."""
+
+    step: int  # optimizer steps done, over all epochs
+    total_steps: int
+    epoch: int  # the epoch in progress (1-based)
+    epoch_step: int  # its optimizer steps done
+    epoch_sum: float  # its train NLL sum and reply tokens so far
+    epoch_n: int
+    rows: list  # the epoch rows so far (the first: the fresh LoRA's held-out NLL)
+    scheduler: dict  # the lr schedule's state_dict
+    train_s: float  # seconds of training, over every process that ran it
+    elapsed_s: float  # seconds of the whole command, the same
+    recipe: dict
+    dataset: str  # digest of the examples (token ids and masks): the same data, or no resume
+    resumes: list = field(default_factory=list)  # the steps it was resumed at
+    adapter_version: int = 0  # (checkpoint.load reads it)
+
+
+def partial_dir(out: Path) -> Path:
+    """An unfinished warm start's checkpoints: a sibling of OUT, removed once OUT is written."""
+    return out.with_name(out.name + ".partial")
+
+
+def unfinished(out: Path) -> Path | None:
+    """The latest checkpoint of OUT's unfinished warm start (None: there is none)."""
+    partial = partial_dir(out)
+    if not (partial / "checkpoints").is_dir():
+        return None
+    checkpoint.clean_partial(partial)  # a temporary a kill left behind
+    return checkpoint.latest(partial)
+
+
+def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[Path] | None = None) -> Path | None:
+    """The checkpoint this run continues: OUT's unfinished warm start of this very recipe, unless
+    `resume` is off (then it is discarded). One of another recipe is discarded with `force`, else
+    refused: it is the user's, and this run would not continue it."""
+    found = unfinished(out)
+    if found is None:
+        return None
+    state = checkpoint.read_state(found, SftState)
+    differs = _first_difference(state.recipe, recipe(sft_prompt(cfg), source_digests(sources)))
+    if resume and differs is None:
+        return found
+    if differs is not None and not force and resume:
+        raise UserError(f"{partial_dir(out)} holds an unfinished warm start of another recipe ({differs}), at "
+                        f"step {state.step} of {state.total_steps}; continue it with its own settings, or discard "
+                        "it with --force or --no-resume")
+    shutil.rmtree(partial_dir(out))
+    return None
+
+
+def _first_difference(was: dict, now: dict, where: str = "") -> str | None:
+    """The first setting where two recipes differ, as `name was -> now` (None: the same)."""
+    for key in sorted(set(was) | set(now)):
+        a, b = was.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            if (found := _first_difference(a, b, f"{where}{key}.")) is not None:
+                return found
+        elif a != b:
+            return f"{where}{key} {a!r} -> {b!r}"
+    return None
+
+
+def dataset_digest(examples: list[Example]) -> str:
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.game_id, e.token_ids, e.action_mask]).encode())
+    return h.hexdigest()[:20]
 
 
 def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
-            cache_dir: Path | None = None, sources: list[Path] | None = None) -> dict:
+            cache_dir: Path | None = None, sources: list[Path] | None = None, resume: bool = True) -> dict:
     """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json.
     `sources` (`--from`): rollouts' trajectories.jsonl files (or their directories): their won
-    trajectories are the data in place of the walkthroughs (rejection-sampling fine-tuning)."""
+    trajectories are the data in place of the walkthroughs (rejection-sampling fine-tuning).
+    Checkpoints go to OUT.partial/ every `sft.checkpoint_minutes`; the same call continues from
+    the latest (`resume`), and OUT.partial/ goes once DIR is written."""
     hooks = hooks or SftHooks()
     cfg = sft_prompt(cfg)
     s = cfg.sft
     check_out_dir(out, force)
+    found = resumable(cfg, out, force, resume, sources)  # before anything loads: a refusal is one line
     games = [] if sources else select_games(cfg, s.split, s.games)
     heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
     t0 = time.perf_counter()
@@ -312,6 +400,24 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         data = ExpertData([Example(*seq) for seq in won.sequences])
     replay_s = time.perf_counter() - t0
     learner = sft_learner(cfg, model)
+    digest, run_recipe = dataset_digest(data.examples), recipe(cfg, won.files if won is not None else None)
+    resumed = None
+    if found is not None:
+        resumed, _ = checkpoint.load(found, learner, SftState)
+        if resumed.dataset != digest:
+            raise UserError(f"the expert data changed since {partial_dir(out)} was written (games, walkthroughs or "
+                            "prompt files): it cannot be continued; discard it with --no-resume")
+        resumed.resumes.append(resumed.step)
+        hooks.note(f"continuing {partial_dir(out)} at step {resumed.step} of {resumed.total_steps} "
+                   f"(epoch {resumed.epoch})")
+    before = resumed.elapsed_s if resumed else 0.0
+
+    def keep(**progress) -> None:
+        state = SftState(**progress, elapsed_s=before + time.perf_counter() - t0, recipe=run_recipe, dataset=digest,
+                         resumes=resumed.resumes if resumed else [])
+        checkpoint.save(partial_dir(out), state, learner, name=f"step{state.step:06d}",
+                        resume=f"agentrl sft --out {out} (the same settings)")
+
     origin = ({"from": won.files, "trajectories": won.trajectories, "won": won.won} if won is not None
               else {"split": s.split, "games": len(games)})
     rows = [{"kind": "dataset", **origin, "examples": len(data.examples), "skipped": len(data.skipped),
@@ -319,7 +425,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
              "cached": data.cached, "replay_s": round(replay_s, 3), "prompt": effective_prompt(cfg),
              **({"replay_hits": data.replay.hits, "replayed": data.replay.replayed} if data.replay else {})}]
-    rows += train_epochs(cfg, learner, data.examples, held.examples, hooks, replay_s)
+    rows += train_epochs(cfg, learner, data.examples, held.examples, hooks, replay_s, keep, resumed)
     summary = {
         "prompt": effective_prompt(cfg),
         "base_model": cfg.model.name,
@@ -329,10 +435,13 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
                 "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
-        "minutes": round((time.perf_counter() - t0) / 60, 2),
-        "recipe": recipe(cfg, won.files if won is not None else None),
+        "minutes": round((before + time.perf_counter() - t0) / 60, 2),
+        "recipe": run_recipe,
     }
+    if resumed is not None:
+        summary["sft"]["resumed_at_steps"] = resumed.resumes
     write_adapter(learner, out, summary, rows, force)
+    shutil.rmtree(partial_dir(out), ignore_errors=True)  # DIR is whole: its checkpoints are no longer needed
     return summary
 
 
@@ -394,9 +503,10 @@ def nll_loss(learner: LocalLearner, examples: list[Example], n_tokens: int):
 
 
 def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], held: list[Example], hooks: SftHooks,
-                 replay_s: float) -> list[dict]:
+                 replay_s: float, keep=None, resumed: SftState | None = None) -> list[dict]:
     """`sft.epochs` passes over the examples through `learner.step`; one row before (the held-out
-    NLL of the fresh LoRA) and one per epoch."""
+    NLL of the fresh LoRA) and one per epoch. `keep(**progress)` writes a checkpoint (every
+    `sft.checkpoint_minutes`); `resumed`: the checkpoint's state, whose steps are skipped."""
     s = cfg.sft
     batches = micro_batches(examples, s.token_budget)
     rng = random.Random(cfg.seed)
@@ -408,33 +518,56 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
     # a game's worth of examples: 1, or its steps under prompt.history (one example per reply), so a
     # step holds batch_games games' replies whichever way the prompt is cut
     per_game = len(examples) / max(1, len({e.game_id for e in examples}))
-    epoch_steps = [len(optimizer_steps(order, s.batch_games, per_game)) for order in orders]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lr_lambda(s, sum(epoch_steps)))
-    rows = [{"kind": "epoch", "epoch": 0, "train_nll": None,
-             "heldout_nll": heldout_nll(learner, held), "elapsed_s": round(replay_s, 3)}]
-    hooks.done(rows[-1])
-    train_t0 = time.perf_counter()
+    epoch_steps = [optimizer_steps(order, s.batch_games, per_game) for order in orders]
+    total_steps = sum(map(len, epoch_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lr_lambda(s, total_steps))
+    if resumed is None:
+        rows = [{"kind": "epoch", "epoch": 0, "train_nll": None,
+                 "heldout_nll": heldout_nll(learner, held), "elapsed_s": round(replay_s, 3)}]
+        hooks.done(rows[-1])
+        step, first_epoch, done_steps, epoch_sum, epoch_n, train_before = 0, 1, 0, 0.0, 0, 0.0
+    else:
+        scheduler.load_state_dict(resumed.scheduler)  # its position; the lr in use, not applied by it:
+        for group, lr in zip(learner.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # (building the schedule set step 0's)
+        rows, step, first_epoch, done_steps = list(resumed.rows), resumed.step, resumed.epoch, resumed.epoch_step
+        epoch_sum, epoch_n, train_before = resumed.epoch_sum, resumed.epoch_n, resumed.train_s
+    train_t0 = last_kept = time.perf_counter()
+    every = None if keep is None or s.checkpoint_minutes is None else 60 * s.checkpoint_minutes
     # the steps' tensors reuse the heap (procmem.py: a third of the warm start's CPU went to page
     # faults) unless the micro-batches were sized to fill free memory, which the fixed threshold bounds
     heap = contextlib.nullcontext() if cfg.learner.tokens_per_microbatch == "auto" else reused_heap()
     with heap:
-        for epoch, order in enumerate(orders, start=1):
-            hooks.phase("train", len(order))
-            epoch_sum, epoch_n = 0.0, 0
-            for pending in optimizer_steps(order, s.batch_games, per_game):
+        for epoch, steps in enumerate(epoch_steps, start=1):
+            if epoch < first_epoch:
+                continue
+            hooks.phase("train", len(orders[epoch - 1]))
+            skip = done_steps if epoch == first_epoch else 0
+            if skip:
+                hooks.advance(sum(len(pending) for pending in steps[:skip]))
+            else:
+                epoch_sum, epoch_n = 0.0, 0
+            for i, pending in enumerate(steps[skip:], start=skip + 1):
                 step_examples = [e for b in pending for e in b]  # the step's gradient; how it is cut to run, the learner's
                 n_tokens = sum(e.reply_tokens for e in step_examples)
                 loss_fn = nll_loss(learner, step_examples, n_tokens)
+                step += 1
+                faults.iteration = step  # AGENTRL_FAULT=kill:update@N kills optimizer step N (the reliability tests)
                 for nll_sum in learner.step(example_micro_batches(learner, step_examples), loss_fn, s.grad_clip).values:
                     epoch_sum += nll_sum
                 scheduler.step()
                 epoch_n += n_tokens
                 hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
+                if every is not None and step < total_steps and time.perf_counter() - last_kept >= every:
+                    keep(step=step, total_steps=total_steps, epoch=epoch, epoch_step=i, epoch_sum=epoch_sum,
+                         epoch_n=epoch_n, rows=rows, scheduler=scheduler.state_dict(),
+                         train_s=train_before + time.perf_counter() - train_t0)
+                    last_kept = time.perf_counter()
             learner.model.eval()
             rows.append({"kind": "epoch", "epoch": epoch, "train_nll": epoch_sum / max(epoch_n, 1),
-                         "heldout_nll": heldout_nll(learner, held), "steps": epoch_steps[epoch - 1],
+                         "heldout_nll": heldout_nll(learner, held), "steps": len(steps),
                          "lr_end": scheduler.get_last_lr()[0],
-                         "elapsed_s": round(replay_s + time.perf_counter() - train_t0, 3)})
+                         "elapsed_s": round(replay_s + train_before + time.perf_counter() - train_t0, 3)})
             hooks.done(rows[-1])
     return rows
 
