@@ -307,3 +307,31 @@ def write_config(tmp_path) -> Path:
     path = tmp_path / "full.yaml"
     path.write_text("learner:\n  lora_r: 0\n")
     return path
+
+
+def test_a_killed_full_fine_tuning_warm_start_continues_to_the_same_weights(tmp_path, full_warm_start, tiny_actor_dir,
+                                                                             data_root):
+    """`agentrl sft` with learner.lora_r 0 SIGKILLed in optimizer step 2 of 4 (AGENTRL_FAULT),
+    checkpointing every step (every weight and AdamW's state): the same command continues at step
+    1 and writes the uninterrupted run's weights (the module's full warm start) bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out, config = tmp_path / "ws", tmp_path / "full.yaml"
+    config.write_text(json.dumps({"model": {"name": str(tiny_actor_dir)}, "data": {"root": str(data_root)},
+                                  "env": {"workers": 0}, "learner": {"lora_r": 0},
+                                  "sft": {"games": 2, "heldout_games": 2, "epochs": 2, "lr": 1e-3, "checkpoint_minutes": 0}}))
+    command = [sys.executable, "-m", "agentrl.cli", "sft", "--config", str(config), "--out", str(out)]
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env=os.environ | {"AGENTRL_FAULT": "kill:update@2"})
+    assert killed.returncode == -9 and not out.exists(), killed.stderr
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                           env={k: v for k, v in os.environ.items() if k != "AGENTRL_FAULT"})
+    assert again.returncode == 0, again.stderr
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(full_warm_start[0] / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((out / "agentrl.json").read_text())["sft"]["resumed_at_steps"] == [1]
