@@ -416,7 +416,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         state = SftState(**progress, elapsed_s=before + time.perf_counter() - t0, recipe=run_recipe, dataset=digest,
                          resumes=resumed.resumes if resumed else [])
         checkpoint.save(partial_dir(out), state, learner, name=f"step{state.step:06d}",
-                        resume=f"agentrl sft --out {out} (the same settings)")
+                        resume=f"agentrl sft ... --out {out}")  # (the same command)
 
     origin = ({"from": won.files, "trajectories": won.trajectories, "won": won.won} if won is not None
               else {"split": s.split, "games": len(games)})
