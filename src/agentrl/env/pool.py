@@ -12,6 +12,7 @@ come back as `EnvFailure` (their trajectories end with env_error) and the run go
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from collections import deque
@@ -79,18 +80,11 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
             elif op == "replay":  # a whole walkthrough, its env opened and closed here (replay.py)
                 out.append(replay_game(make_env, *arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
-            _close_quietly(envs.pop(handle, None))  # its library copy goes back to the free list
+            if (env := envs.pop(handle, None)) is not None:  # closed: its library copy goes back to the free list
+                with contextlib.suppress(Exception):  # a second failure, while closing, is not the one to report
+                    env.close()
             out.append(EnvFailure(str(e) if isinstance(e, GameLoadError) else f"{e.__class__.__name__}: {e}"))
     return out
-
-
-def _close_quietly(env) -> None:
-    """Close an env that failed; a second failure while closing it is not reported (the first is)."""
-    if env is not None:
-        try:
-            env.close()
-        except Exception:  # noqa: BLE001, S110
-            pass
 
 
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
