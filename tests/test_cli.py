@@ -68,6 +68,7 @@ def test_data_check_counts_real_games(data_root):
     rows = [ln.split("│") for ln in proc.stdout.splitlines() if ln.count("│") >= 4]
     row = next(cells for cells in rows if cells[1].strip() == "all")
     assert [c.strip() for c in row[2:5]] == ["600", "140", "134"]
+    assert "valid_train" not in proc.stdout + proc.stderr  # optional: only the full data has it, so not missing
 
 
 def test_data_check_missing_dir(tmp_path):
@@ -136,6 +137,7 @@ def test_doctor_reports_what_this_machine_has(data_root, tmp_path):
 
     assert "600 game files" in row("ALFWorld train") and "✓" in row("ALFWorld train")
     assert "140 game files" in row("ALFWorld valid_seen")
+    assert "absent (optional" in row("ALFWorld valid_train") and "✓" in row("ALFWorld valid_train")
     assert "SmolLM2-135M-Instruct" in row("default model")
     import importlib.util
 

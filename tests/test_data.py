@@ -98,3 +98,29 @@ def test_rollout_skip_tasks_takes_the_next_games_of_the_split(data_root):
     first = load_games(load_config(None, {"rollout.split": "valid_seen", "rollout.tasks": 5}))
     later = load_games(load_config(None, {"rollout.split": "valid_seen", "rollout.tasks": 2, "rollout.skip_tasks": 3}))
     assert [g.game_id for g in later] == [g.game_id for g in first[3:]]
+
+
+def test_valid_train_is_a_split_where_the_data_has_it(tmp_path, games):
+    """The full data's held-out train trials (json_2.1.1/valid_train, for choosing checkpoints) load as
+    the split `valid_train`; a root without it names the split it lacks."""
+    from agentrl.config import load_config
+
+    make_split(tmp_path / "small", games["look_at_obj_in_light"], "{}")
+    with pytest.raises(UserError, match=r"split 'valid_train' not found"):
+        discover_games("valid_train", tmp_path / "small")
+    split = tmp_path / "full" / "json_2.1.1" / "valid_train"
+    for g in games.values():
+        d = split / g.path.parent.parent.name / g.path.parent.name
+        d.mkdir(parents=True)
+        (d / "game.tw-pddl").symlink_to(g.path)
+    found = discover_games("valid_train", tmp_path / "full")
+    assert {g.task_type for g in found} == set(TASK_TYPES) and all(g.split == "valid_train" for g in found)
+    assert all(g.walkthrough for g in found)
+    for key in ("eval.split", "rollout.split", "train.eval_split"):
+        assert load_config(None, {key: "valid_train"})  # accepted where a split is chosen
+
+
+def test_synthetic_valid_train_tasks_are_their_own():
+    from agentrl.env.synthetic import SPLIT_OFFSET
+
+    assert len(set(SPLIT_OFFSET.values())) == len(SPLIT_OFFSET) and "valid_train" in SPLIT_OFFSET

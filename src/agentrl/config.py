@@ -27,7 +27,10 @@ TASK_TYPES = (
     "pick_cool_then_place_in_recep",
     "look_at_obj_in_light",
 )
-SPLITS = ("train", "valid_seen", "valid_unseen")
+SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
+# valid_train (held-out trials of train tasks, for choosing checkpoints) ships with the full data only
+# (../shared/data/alfworld-full): a data root without it is complete
+OPTIONAL_SPLITS = ("valid_train",)
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
 KL_UNITS = ("trained-mean", "per-token")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")

@@ -15,7 +15,7 @@ from agentrl.cli.display import (console, print_analysis, print_checks, print_co
                                  progress_bar, replay_lines)
 from agentrl.cli.options import ConfigOpt, DataOpt, EnvWorkersOpt, OptInt, opt, overrides
 from agentrl.compare import compare, verdict
-from agentrl.config import SPLITS, load_config
+from agentrl.config import OPTIONAL_SPLITS, SPLITS, load_config
 from agentrl.doctor import run_checks
 from agentrl.env import EnvsOnDemand, find_games
 from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_dir, spread
@@ -150,7 +150,8 @@ def data_check(data: DataOpt = None) -> None:
     if not present:
         split_dir(root, SPLITS[0])  # raises the "where we looked, how to get it" error
     scans = {s: scan_split(root, s) for s in present}
-    print_games(root, SPLITS, scans, {s: replay_counts(scan.games) for s, scan in scans.items()})
+    shown = [s for s in SPLITS if s in present or s not in OPTIONAL_SPLITS]
+    print_games(root, shown, scans, {s: replay_counts(scan.games) for s, scan in scans.items()})
 
 
 def replay_counts(games) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from agentrl.env.data import Game
 TASK_TYPE = "synthetic_choice"
 OBJECTS = ("apple", "mug", "book", "knife", "egg", "bowl", "pen", "plate", "tomato", "vase", "cup", "lettuce")
 RECEPTACLES = ("fridge", "shelf", "drawer", "sinkbasin", "cabinet", "desk", "countertop", "garbagecan")
-SPLIT_OFFSET = {"train": 0, "valid_seen": 100_000, "valid_unseen": 200_000}
+SPLIT_OFFSET = {"train": 0, "valid_seen": 100_000, "valid_unseen": 200_000, "valid_train": 300_000}
 
 SYSTEM = "Solve the household task. Reply with two lines:\nThought: <reasoning>\nAction: <one available command>"
 EXAMPLE = (
