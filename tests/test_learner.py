@@ -410,3 +410,48 @@ def test_a_step_on_any_loss_skips_non_finite_gradients(tiny_model, trajectories)
     assert any(not torch.equal(a, b) for a, b in zip(moved, start))
     bad = learner.step(trajectories[:1], lambda m, t: (nll(m, t)[0] * float("nan"), None), max_norm=1.0)
     assert not bad.stepped and all(torch.equal(a, b) for a, b in zip(lora_weights(learner), moved))
+
+
+def test_p_old_from_the_sampler_skips_the_pre_pass_and_is_the_same_update(tiny_model, four):
+    """learner.old_logprobs sampler: the clipped ratio's p_old is the sampler's own log-probs
+    (fp32, the same weights: equal to the pre-pass to float round-off), so the update runs no
+    pre-pass and lands where the recomputed one does; the gap is still measured, on the first
+    step's forward."""
+    batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
+    arms, prepasses = {}, {}
+    for source in ("learner", "sampler"):
+        learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2, old_logprobs=source))
+        calls, real = [], learner._logprobs
+        learner._logprobs = lambda *a, **k: calls.append(1) or real(*a, **k)
+        arms[source] = (learner.update(batch), lora_weights(learner))
+        prepasses[source] = len(calls)
+    assert prepasses == {"learner": 1, "sampler": 0}
+    (s_l, w_l), (s_s, w_s) = arms["learner"], arms["sampler"]
+    assert s_s.optimizer_steps == s_l.optimizer_steps == 4 and s_s.loss == pytest.approx(s_l.loss, abs=1e-7)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(w_l, w_s))
+    assert s_s.logprob_gap is not None and s_s.logprob_gap < 1e-4
+
+
+def test_p_old_from_the_sampler_is_what_the_ratio_reads(tiny_model, four):
+    """Sampler log-probs shifted by -1 on every action token (a constructed stale sampler): with
+    old_logprobs sampler the later steps' ratios sit near e and are clipped, and the gap reports the
+    shift; the recomputed p_old never reads them (no clip beyond the policy's own movement)."""
+    stale = []
+    for t in four:
+        s = copy.deepcopy(t)
+        s.logprobs = [lp - 1.0 if m else lp for lp, m in zip(t.logprobs, t.action_mask)]
+        stale.append(s)
+    batch = [(stale[0], 1.0), (stale[1], -1.0), (stale[2], 0.5), (stale[3], -0.5)]
+    out = {source: LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-4, minibatches=2, old_logprobs=source)).update(batch)
+           for source in ("learner", "sampler")}
+    assert out["sampler"].logprob_gap == pytest.approx(1.0, abs=1e-3)
+    assert out["sampler"].clip_fraction >= 0.5 > out["learner"].clip_fraction  # 1 of 2 steps all clipped
+    assert out["learner"].logprob_gap == pytest.approx(1.0, abs=1e-3)  # the pre-pass measures the same stale sampler
+
+
+def test_old_logprobs_is_checked():
+    from agentrl.config import load_config
+    from agentrl.errors import UserError
+
+    with pytest.raises(UserError, match="learner.old_logprobs must be one of learner, sampler"):
+        load_config(None, {"learner.old_logprobs": "vllm"})

@@ -33,6 +33,7 @@ SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 OPTIONAL_SPLITS = ("valid_train",)
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
 KL_UNITS = ("trained-mean", "per-token")
+OLD_LOGPROBS = ("learner", "sampler")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 
 
@@ -193,6 +194,11 @@ class LearnerConfig:
     # whatever its aggregation) | per-token (the KL aggregated as learner.loss_agg aggregates A logp,
     # so beta weighs each action token's KL against its policy term: verl's and GiGPO's kl_coef)
     kl_unit: str = "trained-mean"
+    # p_old of the clipped ratio (epochs x minibatches > 1): learner (a no-grad pre-pass of the policy at
+    # the start of the update) | sampler (the log-probs the rollout drew the tokens with: no pre-pass, one
+    # forward fewer per trajectory; the same numbers where the sampler's numerics are the learner's:
+    # fp32 hf, logprob_gap ~2e-7 per token measured; bf16 or vLLM make the ratio carry their gap)
+    old_logprobs: str = "learner"
     # success replay: won trajectories of earlier iterations, kept in a buffer of `replay_buffer`
     # (the newest), trained by a behaviour-cloning term replay_coef x (their action tokens' mean
     # NLL) beside the policy loss, outside the clipped ratio (0: off)
@@ -515,6 +521,7 @@ def _check_updates(c: Config) -> Checks:
         # (a reference to hold it to, the warm start, is asked for when a run starts: prerun.check_kl_reference;
         # a config file may carry the recipe's beta and leave the warm start to --init-adapter)
         (lc.kl_unit in KL_UNITS, f"learner.kl_unit must be one of {', '.join(KL_UNITS)}, got {lc.kl_unit!r}"),
+        (lc.old_logprobs in OLD_LOGPROBS, f"learner.old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {lc.old_logprobs!r}"),
         (lc.replay_coef >= 0, f"learner.replay_coef must be >= 0 (0: no success replay), got {lc.replay_coef}"),
         (lc.replay_buffer >= 1, f"learner.replay_buffer must be >= 1, got {lc.replay_buffer}"),
     ]

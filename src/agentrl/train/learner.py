@@ -117,7 +117,7 @@ class _MinibatchRecord:
     step: StepResult
     clipped: float  # share of the minibatch's action tokens whose ratio was clipped
     kl: float  # KL to the reference per action token
-    gap_sum: float  # sum of |sampler logp - learner logp| (measured on a single step's forward only)
+    gap_sum: float  # sum of |sampler logp - learner logp| (measured on the first step's forward where no pre-pass did)
     kl_field: float | None = None  # the step's KL coefficient in the field's unit (field_kl_coef)
     replay_nll: float = 0.0  # success replay: NLL summed over the step's replayed action tokens
     replay_tokens: int = 0
@@ -286,17 +286,30 @@ class LocalLearner:
         plan = self.plan(batch)
         if not plan.work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
             return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
-        old = self._logprobs(plan.work) if plan.multi else None  # the pre-pass: the policy before the update,
+        from_sampler = plan.multi and self.cfg.old_logprobs == "sampler"
+        old = self._old_logprobs(plan, from_sampler) if plan.multi else None  # the policy before the update,
         ref = self._logprobs(plan.work, reference=True) if self.cfg.kl_coef > 0 else None  # and the reference
         records, per_epoch = [], len(plan.steps) // self.cfg.epochs
         for k, idx in enumerate(plan.steps):
-            # the first step's policy has not moved: r = 1 (GRPO's loss); a single step measures the gap on its forward
+            # the first step's policy has not moved: r = 1 (GRPO's loss); its forward measures the gap
+            # where no pre-pass did (a single step, or p_old taken from the sampler)
             replayed = self.replay.share(k, per_epoch) if self.replay is not None else []
-            records.append(self._minibatch(plan, idx, old if k else None, ref, measure_gap=not plan.multi, replayed=replayed))
+            measure_gap = not plan.multi or (from_sampler and k == 0)
+            records.append(self._minibatch(plan, idx, old if k else None, ref, measure_gap=measure_gap, replayed=replayed))
             if not records[0].step.stepped:  # the batch itself is bad: stop here, as a single step would
                 break
         self.model.eval()
-        return self._stats(plan, records, self._gap(plan, old), ref is not None)
+        gap = None if from_sampler else self._gap(plan, old)
+        return self._stats(plan, records, gap, ref is not None)
+
+    def _old_logprobs(self, plan: UpdatePlan, from_sampler: bool) -> list[torch.Tensor]:
+        """p_old of the clipped ratio, per trajectory: the learner's no-grad pre-pass (learner.old_logprobs
+        learner), or the log-probs the sampler drew the same tokens with (sampler: no pre-pass, one forward
+        fewer per trajectory; they equal the pre-pass up to the logprob_gap, which the first step's
+        forward still measures)."""
+        if from_sampler:
+            return [torch.tensor(t.logprobs, dtype=torch.float32, device=self.device) for t, _ in plan.work]
+        return self._logprobs(plan.work)
 
     def plan(self, batch: list[tuple[object, object]]) -> UpdatePlan:
         """The update's work and optimizer steps. A = 0 contributes exactly zero to the loss and its
@@ -377,8 +390,9 @@ class LocalLearner:
         """One record of the update: the first step's loss and gradient norm (today's GRPO step), the
         gap before any step, the steps taken, the clip and KL means over all steps."""
         first = records[0]
-        if not plan.multi:
-            gap = first.gap_sum / plan.tokens_trained if plan.tokens_trained else None
+        if gap is None:  # measured on the first step's forward (the policy not yet moved), over its own tokens
+            first_tokens = sum(trained_tokens(*plan.work[i]) for i in plan.steps[0])
+            gap = first.gap_sum / first_tokens if first_tokens and (not plan.multi or self.cfg.old_logprobs == "sampler") else None
         if not first.step.stepped:
             return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                                skipped=True, stepped=False, optimizer_steps=0)
