@@ -75,7 +75,7 @@ def main() -> None:
             print(f"  {source:8s} {s:7.1f} s  steps {stats.optimizer_steps}  gap {stats.logprob_gap:.2e}  "
                   f"loss {stats.loss:.6f}  clip {stats.clip_fraction:.4f}  KL {stats.kl:.5f}", flush=True)
     ml, ms = statistics.median(times["learner"]), statistics.median(times["sampler"])
-    (_, start, w_l), (_, _, w_s) = last["learner"][1:], last["sampler"][1:]
+    (_, start, w_l), (_, _, w_s) = last["learner"], last["sampler"]
     moved = max(float((b - s0).abs().max()) for s0, b in zip(start, w_l))
     diff = max(float((x - y).abs().max()) for x, y in zip(w_l, w_s))
     print(f"update: learner pre-pass {ml:.1f} s, sampler p_old {ms:.1f} s: {ml / ms:.2f}x "
