@@ -287,7 +287,7 @@ class LocalLearner:
         if not plan.work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
             return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
         from_sampler = plan.multi and self.cfg.old_logprobs == "sampler"
-        old = self._old_logprobs(plan, from_sampler) if plan.multi else None  # the policy before the update,
+        old = self._old_logprobs(plan.work, from_sampler) if plan.multi else None  # the policy before the update,
         ref = self._logprobs(plan.work, reference=True) if self.cfg.kl_coef > 0 else None  # and the reference
         records, per_epoch = [], len(plan.steps) // self.cfg.epochs
         for k, idx in enumerate(plan.steps):
@@ -299,17 +299,23 @@ class LocalLearner:
             if not records[0].step.stepped:  # the batch itself is bad: stop here, as a single step would
                 break
         self.model.eval()
-        gap = None if from_sampler else self._gap(plan, old)
+        gap = self._gap(plan, old) if plan.multi and not from_sampler else self._first_step_gap(plan, records[0])
         return self._stats(plan, records, gap, ref is not None)
 
-    def _old_logprobs(self, plan: UpdatePlan, from_sampler: bool) -> list[torch.Tensor]:
+    def _first_step_gap(self, plan: UpdatePlan, first: _MinibatchRecord) -> float | None:
+        """Mean |sampler logp - learner logp| per trained action token of the first step, from its own
+        forward (the policy not yet moved); a single step's first step is the whole batch."""
+        tokens = sum(trained_tokens(*plan.work[i]) for i in plan.steps[0])
+        return first.gap_sum / tokens if tokens else None
+
+    def _old_logprobs(self, work, from_sampler: bool) -> list[torch.Tensor]:
         """p_old of the clipped ratio, per trajectory: the learner's no-grad pre-pass (learner.old_logprobs
         learner), or the log-probs the sampler drew the same tokens with (sampler: no pre-pass, one forward
         fewer per trajectory; they equal the pre-pass up to the logprob_gap, which the first step's
         forward still measures)."""
         if from_sampler:
-            return [torch.tensor(t.logprobs, dtype=torch.float32, device=self.device) for t, _ in plan.work]
-        return self._logprobs(plan.work)
+            return [torch.tensor(t.logprobs, dtype=torch.float32, device=self.device) for t, _ in work]
+        return self._logprobs(work)
 
     def plan(self, batch: list[tuple[object, object]]) -> UpdatePlan:
         """The update's work and optimizer steps. A = 0 contributes exactly zero to the loss and its
@@ -390,9 +396,6 @@ class LocalLearner:
         """One record of the update: the first step's loss and gradient norm (today's GRPO step), the
         gap before any step, the steps taken, the clip and KL means over all steps."""
         first = records[0]
-        if gap is None:  # measured on the first step's forward (the policy not yet moved), over its own tokens
-            first_tokens = sum(trained_tokens(*plan.work[i]) for i in plan.steps[0])
-            gap = first.gap_sum / first_tokens if first_tokens and (not plan.multi or self.cfg.old_logprobs == "sampler") else None
         if not first.step.stepped:
             return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                                skipped=True, stepped=False, optimizer_steps=0)
