@@ -115,9 +115,11 @@ def test_cli_analyze_prints_the_operating_point(tmp_path):
 def test_signal_table_ranks_each_signal_against_each_outcome_kind(tmp_path):
     """Constructed: d_K separates informative groups from all-fail ones but not from the
     all-success one (it converged less than one informative group); termination_fraction marks
-    the all-success group (finished early); the OR-rule of the two cuts both zero-variance kinds."""
-    groups = [("f1", 0.0, 0.0, "0;0"), ("f2", 0.05, 0.0, "0;0"), ("s1", 0.4, 1.0, "1;1"),
-              ("i1", 0.3, 0.0, "1;0"), ("i2", 0.5, 0.5, "0;1")]
+    the all-success group (one of its rows finished early); the OR-rule of the two cuts both
+    zero-variance kinds. s2 finished by K (tau 1): the gate never looks at it, so it is counted
+    nowhere (with it, d_K's AUROC would be 7/8 and d_K < 0.3 would cut three groups)."""
+    groups = [("f1", 0.0, 0.0, "0;0"), ("f2", 0.05, 0.0, "0;0"), ("s1", 0.4, 0.5, "1;1"),
+              ("i1", 0.3, 0.0, "1;0"), ("i2", 0.5, 0.0, "0;1"), ("s2", 0.0, 1.0, "1;1")]
     path = tmp_path / "g.csv"
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
@@ -129,18 +131,54 @@ def test_signal_table_ranks_each_signal_against_each_outcome_kind(tmp_path):
     a = analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8)
     row = {r["signal"]: r for r in a.signals}
     d = row["prefix_edit_distance_mean"]
-    assert (d["informative"], d["all_fail"], d["all_success"]) == (2, 2, 1)
+    assert (d["N"], d["running"], d["informative"], d["all_fail"], d["all_success"]) == (6, 5, 2, 2, 1)
     assert d["auroc_vs_all_fail"] == 1.0 and d["auroc_vs_all_success"] == 0.5  # 0.3 < 0.4 < 0.5: one of two pairs
     assert d["auroc"] == pytest.approx(5 / 6)  # 2 x 3 pairs, 5 ordered right
     assert d["auroc_ci95_low"] <= d["auroc"] <= d["auroc_ci95_high"]
-    assert (d["best_cut"], d["best_precision"]) == (2, 1.0)  # d_K < 0.3 cuts f1, f2
-    assert d["best_safe_pct"] == pytest.approx(100 * 2 * 25 / (5 * 30))
-    tau = row["termination_fraction"]  # oriented 1 - tau: s1 (tau 1) is the most converged
-    assert tau["auroc_vs_all_success"] == 1.0 and tau["auroc_vs_all_fail"] == pytest.approx(0.25)
+    assert (d["best_cut"], d["best_precision"]) == (2, 1.0)  # d_K < 0.3 cuts f1, f2 (not s2: finished)
+    assert d["best_safe_pct"] == pytest.approx(100 * 2 * 25 / (6 * 30))  # a share of all six groups
+    assert d["best_tokens_pct"] != d["best_tokens_pct"]  # no trajectories beside the table: not measured
+    tau = row["termination_fraction"]  # oriented 1 - tau: s1 (tau 0.5) is the most converged
+    assert tau["auroc_vs_all_success"] == 1.0 and tau["auroc_vs_all_fail"] == pytest.approx(0.5)
     assert row["or_rule"]["best_cut"] == 3 and row["or_rule"]["best_precision"] == 1.0
     d_l, tau_h = (float(x.split("<" if "<" in x else ">=")[1]) for x in row["or_rule"]["best_threshold"].split(" or "))
-    assert 0.05 < d_l <= 0.3 and 0.5 < tau_h <= 1.0  # a rule that cuts f1, f2 (d_K) and s1 (tau), never i2
+    assert 0.05 < d_l <= 0.3 and tau_h == 0.5  # a rule that cuts f1, f2 (d_K) and s1 (tau), never i2
     assert (tmp_path / "out" / "signals.csv").stat().st_size > 0
+
+
+def test_savings_are_measured_in_step_tokens_and_a_finished_group_is_never_cut(tmp_path):
+    """Constructed, K 2, G 2, trajectories.jsonl beside the table (step-tokens per env step):
+    a all-fail, running, [1,2,3,4,5] per row: 30 tokens, 24 after step 2; b all-success, both rows
+    won by step 2, [10,10]: 40, none after (tau 1: the gate never looks); c informative, [2,2,2]
+    won and [2,2,2,2,2] lost: 16, 8 after; d all-success still running, [1,1,1] each: 6, 2 after.
+    92 step-tokens in all. d_K < 0.2 takes a and d (b is below it too but finished): 26 of 92
+    measured, against the paper's formula 2 (30 - 2) / (4 x 30); the oracle saves the same."""
+    groups = [("a", 0.0, 0.0, "0;0", [[1, 2, 3, 4, 5]] * 2), ("b", 0.0, 1.0, "1;1", [[10, 10]] * 2),
+              ("c", 0.5, 0.0, "1;0", [[2, 2, 2], [2, 2, 2, 2, 2]]), ("d", 0.1, 0.0, "1;1", [[1, 1, 1]] * 2)]
+    path = tmp_path / "groups.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps_generated"])
+        w.writeheader()
+        for tid, d, tau, rewards, _ in groups:
+            w.writerow({s: 0.5 for s in SIGNALS} | {"prefix_edit_distance_mean": d, "termination_fraction": tau,
+                       "task_id": tid, "task_type": "look_at_obj_in_light", "K": 2, "rewards": rewards, "cut": 0,
+                       "steps_generated": 10})
+    recs = [{"task_id": tid, "reward": float(r), "initial_observation": "s0", "step_tokens": toks,
+             "step_records": [{"observation": f"{tid} {k}", "valid": True} for k in range(len(toks))]}
+            for tid, _, _, rewards, rows in groups for r, toks in zip(rewards.split(";"), rows)]
+    (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    a = analyze(path, tmp_path / "out", t_max=30, precision_floor=0.8)
+    at = {r["d_L"]: r for r in a.sweep}
+    r = at[0.2]
+    assert (r["N"], r["running"], r["cut"], r["TP"], r["precision"], r["recall"]) == (4, 3, 2, 2, 1.0, 1.0)
+    assert r["tokens_pct"] == pytest.approx(100 * 26 / 92) and r["tokens_safe_pct"] == pytest.approx(100 * 26 / 92)
+    assert r["safe_pct"] == pytest.approx(100 * 2 * 28 / (4 * 30))
+    assert at[0.6]["cut"] == 3 and at[0.6]["tokens_pct"] == pytest.approx(100 * 34 / 92)  # c too: raw, not safe
+    assert at[0.6]["tokens_safe_pct"] == pytest.approx(100 * 26 / 92)
+    d = next(x for x in a.signals if x["signal"] == "prefix_edit_distance_mean")
+    assert d["oracle_tokens_pct"] == pytest.approx(100 * 26 / 92) and d["best_tokens_pct"] == pytest.approx(100 * 26 / 92)
+    cal = {x["method"]: x for x in a.calibration}
+    assert cal["oracle"]["cut"] == 2  # b is zero-variance but finished: nothing to cut
 
 
 def test_the_classifier_row_reads_the_signals_together(tmp_path):

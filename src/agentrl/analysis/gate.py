@@ -4,6 +4,15 @@ whether a group carries learning signal, and what the gate CUT_{K,d_L} would sav
 A group is *informative* (positive class) when its G final rewards are not all equal
 (non-zero variance); a correct cut removes a zero-variance group. Works on any table with
 the groups.csv columns, so tables produced elsewhere can be analysed too.
+
+Every statistic at K reads the groups the live gate decides on: those with a trajectory still
+running after step K (termination_fraction < 1). A group that finished by K is left alone by the
+gate (nothing to save), so it is neither cut nor counted in a precision, recall or AUROC here;
+on a policy that wins, most all-success groups finish early, and counting them would credit a
+cut with groups it never takes and steps nobody would have run. Savings are shares of the whole
+rollout. With trajectories.jsonl beside the table, each cut's saving is also measured in
+step-tokens (the tokens its groups generated after step K, as Tier 1 counts them), not only by
+the paper's formula TP (T_max - K) / (N T_max), which assumes every cut row would run to T_max.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ from agentrl.train.advantage import Advantage, group_advantages
 
 REQUIRED = ("task_id", "task_type", "K", *PAPER_SIGNALS, "rewards")  # issue 49's two signals: read where present
 D_L_GRID = tuple(round(x, 2) for x in np.arange(0.02, 0.601, 0.02))
-SWEEP_COLUMNS = ["K", "d_L", "N", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct", "adv_l2_kept",
-                 "gigpo_l2_kept"]
+SWEEP_COLUMNS = ["K", "d_L", "N", "running", "cut", "TP", "FP", "precision", "recall", "safe_pct", "raw_pct",
+                 "tokens_safe_pct", "tokens_pct", "adv_l2_kept", "gigpo_l2_kept"]
 
 
 @dataclass
@@ -37,6 +46,8 @@ class Table:
     task_id: list[str]
     task_type: list[str]
     gigpo_sq: np.ndarray | None = None  # [N] the group's GiGPO advantage mass (trajectories.jsonl beside the table)
+    tokens_after: np.ndarray | None = None  # [N] the group's step-tokens after step K (trajectories.jsonl beside it)
+    tokens_total: np.ndarray | None = None  # [N] the group's step-tokens, all steps
 
     @property
     def variance(self) -> np.ndarray:
@@ -46,12 +57,18 @@ class Table:
     def informative(self) -> np.ndarray:
         return self.variance > 0
 
+    @property
+    def running(self) -> np.ndarray:
+        """A trajectory of the group still ran after step K: the groups the live gate decides on."""
+        return self.signals["termination_fraction"] < 1
+
     def at(self, K: int) -> "Table":
         m = self.K == K
         idx = np.flatnonzero(m)
+        opt = {k: None if v is None else v[m] for k, v in (("gigpo_sq", self.gigpo_sq), ("tokens_after", self.tokens_after),
+                                                          ("tokens_total", self.tokens_total))}
         return Table(self.K[m], {k: v[m] for k, v in self.signals.items()}, [self.rewards[i] for i in idx],
-                     [self.task_id[i] for i in idx], [self.task_type[i] for i in idx],
-                     None if self.gigpo_sq is None else self.gigpo_sq[m])
+                     [self.task_id[i] for i in idx], [self.task_type[i] for i in idx], **opt)
 
 
 def read_groups(path: Path) -> Table:
@@ -105,6 +122,27 @@ def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
     return np.array([mass.get(task, np.nan) for task in t.task_id])
 
 
+def read_step_tokens(path: Path, t: Table) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """Per row of the table, the group's step-tokens after the row's K and in all (the sums over its
+    trajectories of `step_tokens[K:]` and `step_tokens`, as Tier 1's oracle counts them), from the
+    trajectories.jsonl beside groups.csv; (None, None) when there is none."""
+    from collections import defaultdict
+
+    if not path.is_file():
+        return None, None
+    by_task: dict[str, list[list[int]]] = defaultdict(list)
+    for n, r in read_jsonl_numbered(path, bad="not a trajectory record"):
+        try:
+            by_task[r["task_id"]].append([int(x) for x in r["step_tokens"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}:{n}: not a trajectory record ({e.__class__.__name__}: {e})") from None
+    def tokens(task: str, K: int | None) -> float:
+        rows = by_task.get(task)
+        return float("nan") if rows is None else float(sum(sum(s[K:] if K is not None else s) for s in rows))
+    after = np.array([tokens(task, int(K)) for task, K in zip(t.task_id, t.K)])
+    return after, np.array([tokens(task, None) for task in t.task_id])
+
+
 def auroc(score: np.ndarray, positive: np.ndarray) -> float:
     """P(score of a random positive > score of a random negative), ties half (Mann-Whitney U)."""
     pos, neg = score[positive], score[~positive]
@@ -117,9 +155,10 @@ def correlation(t: Table) -> list[dict]:
     rows = []
     for K in sorted(set(t.K.tolist())):
         sub = t.at(K)
-        var, pos = sub.variance, sub.informative
+        run = sub.running  # the groups the gate decides on at K
+        var, pos = sub.variance[run], sub.informative[run]
         for name in sub.signals:
-            x = sub.signals[name]
+            x = sub.signals[name][run]
             if np.ptp(x) == 0 or np.ptp(var) == 0:
                 rho, p = float("nan"), float("nan")
             else:
@@ -130,6 +169,12 @@ def correlation(t: Table) -> list[dict]:
 
 
 def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict:
+    """A cut at K (a mask over the K-table's groups) as the live gate would make it: only groups
+    still running at K are taken; precision over those, recall over the zero-variance groups still
+    running, savings as shares of the whole rollout (the paper's formula, and measured step-tokens
+    where the table has its trajectories)."""
+    run = sub.running
+    cut = cut & run
     zero = ~sub.informative
     n = len(cut)
     tp, fp = int(np.sum(cut & zero)), int(np.sum(cut & ~zero))
@@ -139,11 +184,14 @@ def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict
     saved = max(t_max - K, 0) / (n * t_max) * 100
     g = sub.gigpo_sq
     g_all = float(np.nansum(g)) if g is not None else 0.0
+    tok, total = sub.tokens_after, (float(np.nansum(sub.tokens_total)) if sub.tokens_total is not None else 0.0)
     return {
-        "K": K, "d_L": d_L, "N": n, "cut": int(cut.sum()), "TP": tp, "FP": fp,
+        "K": K, "d_L": d_L, "N": n, "running": int(run.sum()), "cut": int(cut.sum()), "TP": tp, "FP": fp,
         "precision": tp / cut.sum() if cut.sum() else float("nan"),
-        "recall": tp / zero.sum() if zero.sum() else float("nan"),
+        "recall": tp / (zero & run).sum() if (zero & run).sum() else float("nan"),
         "safe_pct": tp * saved, "raw_pct": int(cut.sum()) * saved,
+        "tokens_safe_pct": 100 * float(np.nansum(tok[cut & zero])) / total if total > 0 else float("nan"),
+        "tokens_pct": 100 * float(np.nansum(tok[cut])) / total if total > 0 else float("nan"),
         "adv_l2_kept": float(np.linalg.norm(a_kept) / full) if full > 0 else float("nan"),
         # the same under GiGPO's step-level advantages: a converged all-success group may carry some
         "gigpo_l2_kept": float(np.sqrt(np.nansum(g[~cut]) / g_all)) if g_all > 0 else float("nan"),
@@ -169,45 +217,53 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
     rows = []
     for K in sorted(set(t.K.tolist())):
         sub = t.at(K)
+        run = sub.running  # the groups the gate decides on at K; the counts and AUROCs below are theirs
         pos = sub.informative
         first = np.array([r[0] for r in sub.rewards])
-        all_fail, all_success = ~pos & (first == 0), ~pos & (first > 0)
-        n = len(pos)
-        draws = rng.integers(0, n, size=(resamples, n)) if n else np.zeros((0, 0), dtype=int)
+        all_fail, all_success = run & ~pos & (first == 0), run & ~pos & (first > 0)
+        live = np.flatnonzero(run)
+        n = len(live)
+        draws = live[rng.integers(0, n, size=(resamples, n))] if n else np.zeros((0, 0), dtype=int)
+        oracle = cut_row(sub, ~pos, K, 0.0, t_max)  # every zero-variance group still running: what any gate at K bounds
         def score_row(name: str, score: np.ndarray) -> dict:
             boot = [auroc(score[i], pos[i]) for i in draws]
             boot = [b for b in boot if b == b]
             best = best_cut(sub, score, t_max, K, precision_floor)
-            return {"K": K, "signal": name, "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
-                    "all_success": int(all_success.sum()), "auroc": auroc(score, pos),
+            return {"K": K, "signal": name, "N": len(pos), "running": n, "informative": int((pos & run).sum()),
+                    "all_fail": int(all_fail.sum()), "all_success": int(all_success.sum()), "auroc": auroc(score[run], pos[run]),
                     "auroc_ci95_low": float(np.quantile(boot, 0.025)) if boot else float("nan"),
                     "auroc_ci95_high": float(np.quantile(boot, 0.975)) if boot else float("nan"),
-                    "auroc_vs_all_fail": auroc(score[pos | all_fail], pos[pos | all_fail]),
-                    "auroc_vs_all_success": auroc(score[pos | all_success], pos[pos | all_success]), **best,
-                    **cut_at_recall(sub, score, all_fail)}
+                    "auroc_vs_all_fail": auroc(score[(pos & run) | all_fail], pos[(pos & run) | all_fail]),
+                    "auroc_vs_all_success": auroc(score[(pos & run) | all_success], pos[(pos & run) | all_success]), **best,
+                    **cut_at_recall(sub, score, all_fail), "oracle_safe_pct": oracle["safe_pct"],
+                    "oracle_tokens_pct": oracle["tokens_safe_pct"]}
 
         for name in sub.signals:
             rows.append(score_row(name, np.array([convergence_score(name, {name: v}) for v in sub.signals[name]])))
-        if n >= 2 * FOLDS and 0 < pos.sum() < n:  # every signal together: the classifier gate's score, cross-fitted
-            X = np.column_stack(list(sub.signals.values()))
-            held_out = 1.0 - cross_fitted(X, (~pos).astype(float), np.ones(n))
+        if n >= 2 * FOLDS and 0 < (pos & run).sum() < n:  # every signal together: the classifier gate's score, cross-fitted
+            X = np.column_stack(list(sub.signals.values()))[run]
+            held_out = np.full(len(pos), 2.0)  # a finished group: never cut
+            held_out[run] = 1.0 - cross_fitted(X, (~pos[run]).astype(float), np.ones(n))
             rows.append(score_row("classifier", held_out))
             # with the gate's guard (select/classifier_gate.py): a group with a row ended by K is never cut
             ended = row_ended(sub.signals)  # elementwise over the groups' arrays
             rows.append(score_row("classifier+guard", np.where(ended, 2.0, held_out)))
         d, tau = sub.signals["prefix_edit_distance_mean"], sub.signals["termination_fraction"]
         cuts = [((d < dl) | (tau >= th), f"d_K<{dl:g} or tau>={th:g}") for dl in (0.0, *D_L_GRID) for th in TAU_GRID]
-        best = max((dict(cut_row(sub, c, K, 0.0, t_max), rule=label) for c, label in cuts if c.any()),
+        best = max((dict(cut_row(sub, c, K, 0.0, t_max), rule=label) for c, label in cuts if (c & run).any()),
                    key=lambda r: (r["precision"] >= precision_floor, r["safe_pct"] if r["precision"] >= precision_floor else -1),
                    default=None)
         ok = best is not None and best["precision"] >= precision_floor
-        rows.append({"K": K, "signal": "or_rule", "N": n, "informative": int(pos.sum()), "all_fail": int(all_fail.sum()),
-                     "all_success": int(all_success.sum()), "auroc": float("nan"), "auroc_ci95_low": float("nan"),
-                     "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"), "auroc_vs_all_success": float("nan"),
+        rows.append({"K": K, "signal": "or_rule", "N": len(pos), "running": n, "informative": int((pos & run).sum()),
+                     "all_fail": int(all_fail.sum()), "all_success": int(all_success.sum()), "auroc": float("nan"),
+                     "auroc_ci95_low": float("nan"), "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"),
+                     "auroc_vs_all_success": float("nan"),
                      "best_threshold": best["rule"] if ok else "", "best_cut": best["cut"] if ok else 0,
                      "best_precision": best["precision"] if ok else float("nan"), "best_recall": best["recall"] if ok else float("nan"),
                      "best_safe_pct": best["safe_pct"] if ok else 0.0,
-                     "all_fail_r50_threshold": "", "all_fail_r50_precision": float("nan")})
+                     "best_tokens_pct": best["tokens_pct"] if ok else (0.0 if sub.tokens_after is not None else float("nan")),
+                     "all_fail_r50_threshold": "", "all_fail_r50_precision": float("nan"),
+                     "oracle_safe_pct": oracle["safe_pct"], "oracle_tokens_pct": oracle["tokens_safe_pct"]})
     return rows
 
 
@@ -218,7 +274,7 @@ def cut_at_recall(sub: Table, score: np.ndarray, kind: np.ndarray, recall: float
     zero, best = ~sub.informative, None
     if kind.sum():
         for th in np.unique(score)[1:].tolist() + [float(score.max()) + 1e-9]:
-            cut = score < th
+            cut = (score < th) & sub.running
             if (cut & kind).sum() >= recall * kind.sum():
                 prec = float((cut & zero).sum() / cut.sum())
                 if best is None or prec > best[1]:
@@ -228,16 +284,18 @@ def cut_at_recall(sub: Table, score: np.ndarray, kind: np.ndarray, recall: float
 
 
 def best_cut(sub: Table, score: np.ndarray, t_max: int, K: int, precision_floor: float) -> dict:
-    """The cut `score < t` (t between distinct scores) with the largest safe saving at precision >= floor."""
+    """The cut `score < t` (t between distinct scores) with the largest safe saving at precision >= floor
+    (its measured step-token saving beside it, NaN without trajectories)."""
     best = None
     for th in np.unique(score)[1:].tolist() + [float(score.max()) + 1e-9] if len(score) else []:
         r = cut_row(sub, score < th, K, th, t_max)
         if r["cut"] and r["precision"] >= precision_floor and (best is None or r["safe_pct"] > best["safe_pct"]):
             best = r
     if best is None:
-        return {"best_threshold": "", "best_cut": 0, "best_precision": float("nan"), "best_recall": float("nan"), "best_safe_pct": 0.0}
+        return {"best_threshold": "", "best_cut": 0, "best_precision": float("nan"), "best_recall": float("nan"), "best_safe_pct": 0.0,
+                "best_tokens_pct": 0.0 if sub.tokens_after is not None else float("nan")}
     return {"best_threshold": round(best["d_L"], 6), "best_cut": best["cut"], "best_precision": best["precision"],
-            "best_recall": best["recall"], "best_safe_pct": best["safe_pct"]}
+            "best_recall": best["recall"], "best_safe_pct": best["safe_pct"], "best_tokens_pct": best["tokens_pct"]}
 
 
 def gate_sweep(t: Table, t_max: int, grid=D_L_GRID) -> list[dict]:
@@ -261,12 +319,13 @@ def calibration(t: Table, t_max: int, d_L: float, seed: int, repeats: int = 200)
     rows = []
     for K in sorted(set(t.K.tolist())):
         sub = t.at(K)
-        gate = sub.signals["prefix_edit_distance_mean"] < d_L
+        gate = (sub.signals["prefix_edit_distance_mean"] < d_L) & sub.running
         rows.append({"method": "gate"} | cut_row(sub, gate, K, d_L, t_max))
+        live = np.flatnonzero(sub.running)
         draws = []
-        for _ in range(repeats):
+        for _ in range(repeats):  # as many groups, drawn among those the gate decides on
             cut = np.zeros(len(gate), bool)
-            cut[rng.choice(len(gate), size=int(gate.sum()), replace=False)] = True
+            cut[rng.choice(live, size=int(gate.sum()), replace=False)] = True
             draws.append(cut_row(sub, cut, K, d_L, t_max))
         rows.append({"method": "random"} | {c: _mean([r[c] for r in draws]) for c in SWEEP_COLUMNS})
         rows.append({"method": "oracle"} | cut_row(sub, ~sub.informative, K, d_L, t_max))
@@ -284,7 +343,7 @@ def by_task_type(t: Table) -> list[dict]:
         sub = t.at(K)
         types = np.array(sub.task_type)
         for tt in sorted(set(sub.task_type)):
-            m = types == tt
+            m = (types == tt) & sub.running
             pos = sub.informative[m]
             rows.append({"K": K, "task_type": tt, "N": int(m.sum()), "informative": int(pos.sum()),
                          "auroc_d_K": auroc(sub.signals["prefix_edit_distance_mean"][m], pos)})
@@ -296,7 +355,7 @@ def bootstrap(t: Table, t_max: int, d_L: float, seed: int, resamples: int = 1000
     rows = []
     for K in sorted(set(t.K.tolist())):
         sub = t.at(K)
-        cut = (sub.signals["prefix_edit_distance_mean"] < d_L).astype(float)
+        cut = ((sub.signals["prefix_edit_distance_mean"] < d_L) & sub.running).astype(float)
         zero = (~sub.informative).astype(float)
         saved = max(t_max - K, 0) / t_max * 100
 
@@ -358,7 +417,7 @@ def figures(t: Table, corr: list[dict], out: Path, K: int, d_L: float) -> list[P
     plt.close(fig)
 
     sub = t.at(K) if K in Ks else t.at(Ks[0])
-    d, pos = sub.signals["prefix_edit_distance_mean"], sub.informative
+    d, pos = sub.signals["prefix_edit_distance_mean"][sub.running], sub.informative[sub.running]
     fig, ax = plt.subplots(figsize=(6, 4))
     bins = np.linspace(0, 1, 26)
     ax.hist(d[~pos], bins=bins, alpha=0.6, label=f"zero-variance (n={int((~pos).sum())})")
@@ -395,6 +454,7 @@ def pooled(tables: Sequence[Path]) -> Table:
     for path in tables:
         t = read_groups(path)
         t.gigpo_sq = read_gigpo_mass(path.parent / "trajectories.jsonl", t)
+        t.tokens_after, t.tokens_total = read_step_tokens(path.parent / "trajectories.jsonl", t)
         parts.append((path, t))
     seen: dict[str, Path] = {}
     for path, t in parts:
@@ -406,11 +466,14 @@ def pooled(tables: Sequence[Path]) -> Table:
     if len(parts) == 1:
         return parts[0][1]
     names = [n for n in parts[0][1].signals if all(n in t.signals for _, t in parts)]
-    masses = [t.gigpo_sq for _, t in parts]
+
+    def joined(field: str) -> np.ndarray | None:  # from trajectories.jsonl: only where every table has them
+        arrays = [getattr(t, field) for _, t in parts]
+        return None if any(a is None for a in arrays) else np.concatenate(arrays)
+
     return Table(np.concatenate([t.K for _, t in parts]), {n: np.concatenate([t.signals[n] for _, t in parts]) for n in names},
                  [r for _, t in parts for r in t.rewards], [x for _, t in parts for x in t.task_id],
-                 [x for _, t in parts for x in t.task_type],
-                 None if any(m is None for m in masses) else np.concatenate(masses))
+                 [x for _, t in parts for x in t.task_type], joined("gigpo_sq"), joined("tokens_after"), joined("tokens_total"))
 
 
 def analyze(groups_csv: Path | Sequence[Path], out: Path, t_max: int = 30, precision_floor: float = 0.8, seed: int = 0,

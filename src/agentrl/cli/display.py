@@ -306,7 +306,7 @@ def sft_summary_lines(summary: dict, out) -> list[str]:
 
 # ---------------------------------------------------------------- analyze, report, compare
 def print_analysis(a, groups_csv, out, precision_floor: float) -> None:
-    t = table(f"signals vs learning signal · {groups_csv}", ("K", "groups", "informative", "AUROC d_K", "ρ d_K",
+    t = table(f"signals vs learning signal · {groups_csv}", ("K", "groups running", "informative", "AUROC d_K", "ρ d_K",
               "best other signal (AUROC)"), left=("best other signal (AUROC)",))
     for c in signal_choice(a.correlation, a.by_type):
         t.add_row(str(c["K"]), str(c["groups"]), str(c["informative"]), f"{c['auroc']:.3f}", f"{c['spearman_rho']:.3f}",
@@ -317,7 +317,9 @@ def print_analysis(a, groups_csv, out, precision_floor: float) -> None:
         o = a.operating
         console.print(f"operating point (precision >= {precision_floor:g}): K={o['K']}, d_L={o['d_L']:g}: cut {o['cut']}/{o['N']}, "
                       f"precision {o['precision']:.2f}, recall {o['recall']:.2f}, safe saving {o['safe_pct']:.1f}% "
-                      f"(raw {o['raw_pct']:.1f}%), advantage norm kept {o['adv_l2_kept']:.3f}"
+                      f"(raw {o['raw_pct']:.1f}%"
+                      + (f"; step-tokens {o['tokens_pct']:.1f}%" if o["tokens_pct"] == o["tokens_pct"] else "")
+                      + f"), advantage norm kept {o['adv_l2_kept']:.3f}"
                       + (f" (GiGPO's: {o['gigpo_l2_kept']:.3f})" if o["gigpo_l2_kept"] == o["gigpo_l2_kept"] else ""))
     else:
         console.print(f"no (K, d_L) on the grid reaches precision {precision_floor:g}")
@@ -327,8 +329,10 @@ def print_analysis(a, groups_csv, out, precision_floor: float) -> None:
 
 def print_signal_table(rows: list[dict], precision_floor: float) -> None:
     """Per K and signal: AUROC [95% bootstrap] (informative vs zero-variance; > 0.5 predicts), the same
-    against all-fail and all-success groups only, the best cut at the precision floor, and the
-    highest precision of a cut that removes at least half of the all-fail groups (issue 49's target)."""
+    against all-fail and all-success groups only, the best cut at the precision floor (its saving by the
+    paper's formula, and in step-tokens where the table has its trajectories), and the highest precision
+    of a cut that removes at least half of the all-fail groups (issue 49's target). Then the oracle's
+    saving per K: every zero-variance group still running at K cut, the bound on any gate there."""
     short = {v: k for k, v in _SHORT.items()} | {"or_rule": "d_k OR tau"}
 
     def f(v, fmt=".2f"):
@@ -338,13 +342,20 @@ def print_signal_table(rows: list[dict], precision_floor: float) -> None:
               ("K", "signal", "AUROC [95% CI]", "vs all-fail", "vs all-success", "best cut", "precision", "safe saving",
                "precision at all-fail recall 0.5"),
               left=("signal", "best cut"))
+    measured = any(r.get("best_tokens_pct", float("nan")) == r.get("best_tokens_pct", float("nan")) for r in rows)
     for r in rows:
         t.add_row(str(r["K"]), short.get(r["signal"], r["signal"]),
                   f"{f(r['auroc'])} [{f(r['auroc_ci95_low'])}, {f(r['auroc_ci95_high'])}]" if r["auroc"] == r["auroc"] else "-",
                   f(r["auroc_vs_all_fail"]), f(r["auroc_vs_all_success"]),
                   f"{r['best_cut']} at {r['best_threshold']}" if r["best_cut"] else "none", f(r["best_precision"]),
-                  f"{r['best_safe_pct']:.1f}%", f(r["all_fail_r50_precision"]))
+                  f"{r['best_safe_pct']:.1f}%" + (f" ({r['best_tokens_pct']:.1f}% tok)" if measured else ""),
+                  f(r["all_fail_r50_precision"]))
     console.print(t)
+    oracle = {r["K"]: r for r in rows if "oracle_safe_pct" in r}
+    if oracle:
+        console.print("the oracle (every zero-variance group still running at K cut): " + ", ".join(
+            f"K {K} {r['oracle_safe_pct']:.1f}%" + (f" ({r['oracle_tokens_pct']:.1f}% of step-tokens)" if measured else "")
+            + f" of {r['running']}/{r['N']} running" for K, r in sorted(oracle.items())))
 
 
 def print_report_tables(tables) -> None:
