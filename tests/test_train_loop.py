@@ -20,7 +20,7 @@ from agentrl.train.loop import prepare_run, start_run, train
 
 ITERATION_FIELDS = {
     "iteration", "groups", "groups_cut", "zero_variance_groups", "zero_variance_all_fail", "zero_variance_all_success",
-    "zero_adv_fraction", "grad_l2_norm", "loss", "train_reward", "step_tokens_generated", "step_tokens_trained",
+    "zero_adv_fraction", "grad_l2_norm", "loss", "train_reward", "train_success", "step_tokens_generated", "step_tokens_trained",
     "rollout_s", "train_s", "swap_s", "eval_s", "adapter_version", "logprob_gap",
 }
 
@@ -430,6 +430,10 @@ def test_the_auto_gate_learns_its_threshold_in_a_run_and_resumes_exactly(tmp_pat
     assert cut[0]["decisions"] == {"groups_cut": 0, "groups_audited": 0}
     assert stalled[0] >= 5, "the run seed's tasks must give the fit 5 stalled groups in iteration 1"
     assert cut[0]["extra"]["auto"]["labelled"] == 10 and 0 < cut[0]["extra"]["auto"]["d_L"] < 0.5
+    for r in rows:  # the cut groups (stalled: no win) are left out of the reward, and in the success as losses
+        assert r["train_success"] * r["groups"] == pytest.approx(r["train_reward"] * (r["groups"] - r["groups_cut"]))
+        assert 0 < r["train_success"] < r["train_reward"] or not r["groups_cut"]
+    assert any(r["groups_cut"] for r in rows)
     for n, c in zip(stalled[1:], cut[1:]):  # every stalled group fires, and nothing else
         assert c["decisions"]["groups_cut"] + c["decisions"]["groups_audited"] == n
         assert c["precision"] == 1.0 if c["decisions"]["groups_audited"] else "precision" not in c

@@ -241,6 +241,8 @@ def metrics_line(row: dict, iterations: int) -> str:
                 f"({row['split']}, 95% Wilson)  {types}  {behaviour(row)}  {took}")
 
     return (f"it {row['iteration']:>3}/{iterations}  reward {num(row['train_reward'], '.3f')}  "
+            + (f"won {num(row['train_success'], '.3f')}  " if row.get("train_success") is not None else "")
+            + 
             f"groups {row['groups']} cut {row['groups_cut']} zero-var {row['zero_variance_groups']}  "
             f"loss {row['loss']:+.4f}  |g| {row['grad_l2_norm']:.3f}  tokens {row['step_tokens_generated']}/{row['step_tokens_trained']} gen/trained  "
             f"rollout {row['rollout_s']:.1f}s train {row['train_s']:.1f}s swap {row['swap_s']:.2f}s"

@@ -109,6 +109,9 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "grad_l2_norm": stats.grad_l2_norm,
         "loss": stats.loss,
         "train_reward": float(np.mean(rewards)) if rewards else None,
+        # every trajectory of the iteration, a cut one as it stood at its cut (a lower bound where the gate cut:
+        # train_reward above leaves the cut groups out, so it rises when a gate cuts failing groups)
+        "train_success": float(np.mean([t.won for g in groups for t in [*g.trajectories, *g.pruned]])) if groups else None,
         "step_tokens_trained": stats.step_tokens_trained,
         "trajectories_trained": sum(not is_zero(a) for _, a in batch),
         # the advantage in the loss vs in the groups the gate cut (audited ones ran on: known)
