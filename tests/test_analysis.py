@@ -179,6 +179,10 @@ def test_savings_are_measured_in_step_tokens_and_a_finished_group_is_never_cut(t
     assert d["oracle_tokens_pct"] == pytest.approx(100 * 26 / 92) and d["best_tokens_pct"] == pytest.approx(100 * 26 / 92)
     cal = {x["method"]: x for x in a.calibration}
     assert cal["oracle"]["cut"] == 2  # b is zero-variance but finished: nothing to cut
+    fixed = {x["signal"]: x for x in a.signals if x["best_threshold"] == "fixed"}  # the rules as a user runs them
+    assert (fixed["nowin"]["best_cut"], fixed["nowin"]["best_precision"]) == (3, pytest.approx(2 / 3))  # a, c, d: no row ended
+    assert fixed["nowin"]["best_tokens_pct"] == pytest.approx(100 * 34 / 92)
+    assert (fixed["d_K<0.12"]["best_cut"], fixed["d_K<0.12"]["best_precision"]) == (2, 1.0)  # a, d (b finished)
 
 
 def test_the_classifier_row_reads_the_signals_together(tmp_path):

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from agentrl.config import RolloutConfig
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl_numbered
 from agentrl.rollout.signals import SIGNALS
 from agentrl.select.classifier_gate import FOLDS, cross_fitted, row_ended
-from agentrl.specs import PAPER_SIGNALS, convergence_score
+from agentrl.specs import PAPER_SIGNALS, convergence_score, parse_gate
 from agentrl.train.advantage import Advantage, group_advantages
 
 REQUIRED = ("task_id", "task_type", "K", *PAPER_SIGNALS, "rewards")  # issue 49's two signals: read where present
@@ -198,6 +199,7 @@ def cut_row(sub: Table, cut: np.ndarray, K: int, d_L: float, t_max: int) -> dict
     }
 
 
+DEFAULT_D_L = parse_gate(RolloutConfig.gate).d_L  # the default gate's d_L (the paper's 0.12), a fixed-rule row below
 TAU_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)  # the OR-rule's termination-fraction thresholds (G = 8: 4..8 finished)
 
 
@@ -254,16 +256,20 @@ def signal_table(t: Table, t_max: int, precision_floor: float, seed: int, resamp
                    key=lambda r: (r["precision"] >= precision_floor, r["safe_pct"] if r["precision"] >= precision_floor else -1),
                    default=None)
         ok = best is not None and best["precision"] >= precision_floor
-        rows.append({"K": K, "signal": "or_rule", "N": len(pos), "running": n, "informative": int((pos & run).sum()),
-                     "all_fail": int(all_fail.sum()), "all_success": int(all_success.sum()), "auroc": float("nan"),
-                     "auroc_ci95_low": float("nan"), "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"),
-                     "auroc_vs_all_success": float("nan"),
-                     "best_threshold": best["rule"] if ok else "", "best_cut": best["cut"] if ok else 0,
-                     "best_precision": best["precision"] if ok else float("nan"), "best_recall": best["recall"] if ok else float("nan"),
-                     "best_safe_pct": best["safe_pct"] if ok else 0.0,
-                     "best_tokens_pct": best["tokens_pct"] if ok else (0.0 if sub.tokens_after is not None else float("nan")),
-                     "all_fail_r50_threshold": "", "all_fail_r50_precision": float("nan"),
-                     "oracle_safe_pct": oracle["safe_pct"], "oracle_tokens_pct": oracle["tokens_safe_pct"]})
+        rule_row = {"K": K, "N": len(pos), "running": n, "informative": int((pos & run).sum()),
+                    "all_fail": int(all_fail.sum()), "all_success": int(all_success.sum()), "auroc": float("nan"),
+                    "auroc_ci95_low": float("nan"), "auroc_ci95_high": float("nan"), "auroc_vs_all_fail": float("nan"),
+                    "auroc_vs_all_success": float("nan"), "all_fail_r50_threshold": "", "all_fail_r50_precision": float("nan"),
+                    "oracle_safe_pct": oracle["safe_pct"], "oracle_tokens_pct": oracle["tokens_safe_pct"]}
+        rows.append(rule_row | {"signal": "or_rule", "best_threshold": best["rule"] if ok else "", "best_cut": best["cut"] if ok else 0,
+                                "best_precision": best["precision"] if ok else float("nan"),
+                                "best_recall": best["recall"] if ok else float("nan"), "best_safe_pct": best["safe_pct"] if ok else 0.0,
+                                "best_tokens_pct": best["tokens_pct"] if ok else (0.0 if sub.tokens_after is not None else float("nan"))})
+        # the fixed rules a user can run as they are (`--gate K,nowin`, `--gate K,0.12`): their cut whatever its precision
+        for name, rule in (("nowin", tau == 0), (f"d_K<{DEFAULT_D_L:g}", d < DEFAULT_D_L)):
+            r = cut_row(sub, rule, K, 0.0, t_max)
+            rows.append(rule_row | {"signal": name, "best_threshold": "fixed", "best_cut": r["cut"], "best_precision": r["precision"],
+                                    "best_recall": r["recall"], "best_safe_pct": r["safe_pct"], "best_tokens_pct": r["tokens_pct"]})
     return rows
 
 

@@ -349,7 +349,8 @@ def print_signal_table(rows: list[dict], precision_floor: float) -> None:
         t.add_row(str(r["K"]), short.get(r["signal"], r["signal"]),
                   f"{f(r['auroc'])} [{f(r['auroc_ci95_low'])}, {f(r['auroc_ci95_high'])}]" if r["auroc"] == r["auroc"] else "-",
                   f(r["auroc_vs_all_fail"]), f(r["auroc_vs_all_success"]),
-                  f"{r['best_cut']} at {r['best_threshold']}" if r["best_cut"] else "none", f(r["best_precision"]),
+                  (f"{r['best_cut']} (fixed)" if r["best_threshold"] == "fixed" else f"{r['best_cut']} at {r['best_threshold']}")
+                  if r["best_cut"] else "none", f(r["best_precision"]),
                   f"{r['best_safe_pct']:.1f}%" + (f" ({r['best_tokens_pct']:.1f}% tok)" if measured else ""),
                   f(r["all_fail_r50_precision"]))
     console.print(t)
