@@ -191,15 +191,17 @@ def print_curve(rows: list[dict], where) -> None:
     eval_rows = {r["iteration"]: r for r in rows if r["kind"] == "eval"}
     evals = {i: eval_text(r) for i, r in eval_rows.items()}
     base = next((r for r in reversed(rows) if r["kind"] == "base_eval"), None)
-    t = table(f"learning curve · {where}", ("iter", "train reward", "cut", "zero-var", "tokens gen/trained", "held-out [95% CI]"))
+    t = table(f"learning curve · {where}", ("iter", "train reward (uncut)", "won (all)", "cut", "zero-var", "tokens gen/trained",
+                                             "held-out [95% CI]"))
     if base is not None:
-        t.add_row("base", "", "", "", "", eval_text(base))
+        t.add_row("base", "", "", "", "", "", eval_text(base))
     if 0 in evals:
-        t.add_row("0", "", "", "", "", evals[0])
+        t.add_row("0", "", "", "", "", "", evals[0])
     for r in rows:
         if r["kind"] == "iteration":
             reward = "-" if r["train_reward"] is None else f"{r['train_reward']:.3f}"
-            t.add_row(str(r["iteration"]), reward, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
+            won = "-" if r.get("train_success") is None else f"{r['train_success']:.3f}"  # absent from runs before it
+            t.add_row(str(r["iteration"]), reward, won, f"{r['groups_cut']}/{r['groups']}", str(r["zero_variance_groups"]),
                       f"{r['step_tokens_generated']}/{r['step_tokens_trained']}", evals.get(r["iteration"], ""))
     console.print(t)
     print_stage_totals([r for r in rows if r["kind"] == "iteration"])
