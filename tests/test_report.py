@@ -58,11 +58,11 @@ def runs(tmp_path_factory):
         evaluation(3, 0.0, split="train"),  # not the held-out split
     ])
     gated = write_run(tmp_path / "gated", 7, '"10,0.12"', [
-        iteration(1, 80.0, 3.0, 2, 0, 1.0),
+        iteration(1, 80.0, 3.0, 2, 0, 1.0, train_success=0.5),
         evaluation(0, 0.25),
-        iteration(2, 160.0, 3.0, 1, 1, 0.5),
+        iteration(2, 160.0, 3.0, 1, 1, 0.5, train_success=0.25),
         evaluation(2, 0.75),
-        iteration(3, 240.0, 3.0, 0, 0, 0.0),
+        iteration(3, 240.0, 3.0, 0, 0, 0.0, train_success=0.0),
         evaluation(3, 0.625),
     ], torn=True)
     return baseline, gated
@@ -98,6 +98,8 @@ def test_per_run_numbers(report):
     assert b["mean_s_per_iteration"] == {"rollout": 20.0, "train": 10.0, "swap": 1.0, "eval": 0.0, "iteration": 31.0}
     assert b["mean_train_reward"] == pytest.approx(0.375)  # the null reward is left out
     assert g["mean_train_reward"] == pytest.approx(0.5)
+    assert g["mean_train_success"] == pytest.approx(0.25)  # every trajectory, the cut ones as lost: below the uncut reward
+    assert b["mean_train_success"] is None  # a run written before the metric
     assert (g["groups"], g["groups_cut"], g["zero_variance_groups"]) == (12, 3, 1)
     assert (g["step_tokens_generated"], g["step_tokens_trained"]) == (3000, 2700)
 

@@ -169,7 +169,8 @@ def run_summary(run: Run) -> dict:
         "warm_start_verdict": warm_start_verdict(run.base_eval, scored),
         "wall_clock_s": last.get("elapsed_s"),
         "mean_s_per_iteration": {p: mean(r.get(f"{p}_s") for r in run.iterations) for p in PHASES},
-        "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),
+        "mean_train_reward": mean(r.get("train_reward") for r in run.iterations),  # uncut groups: rises as a gate cuts failures
+        "mean_train_success": mean(r.get("train_success") for r in run.iterations),  # every trajectory (runs before it: None)
         "groups": total(run, "groups"),
         "groups_cut": total(run, "groups_cut"),
         "zero_variance_groups": total(run, "zero_variance_groups"),
@@ -378,7 +379,7 @@ def success_at(r: dict, which: str) -> str:
 
 
 RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",
-              "train reward", "groups cut", "zero-variance groups", "step-tokens generated", "step-tokens trained"]
+              "train reward (uncut)", "won (all)", "groups cut", "zero-variance groups", "step-tokens generated", "step-tokens trained"]
 CURVE_HEADER = ["", "held-out success [95% CI] of games", "change", "exact McNemar p"]
 PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "wall-clock change", "groups cut",
                "grad-norm ratio", "held-out Δ", "zero-variance groups (baseline → gated)"]
@@ -387,7 +388,8 @@ PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "wall-clock ch
 def run_row(r: dict) -> list[str]:
     return [r["name"], r["gate"], fmt(r["seed"], ""), f"{fmt(r['tasks'], '')}×{fmt(r['group_size'], '')}",
             f"{r['iterations']}/{fmt(r['iterations_planned'], '')}", success_at(r, "final"), success_at(r, "best"),
-            fmt_duration(r["wall_clock_s"]), fmt(r["mean_train_reward"], ".3f"), f"{r['groups_cut']}/{r['groups']}",
+            fmt_duration(r["wall_clock_s"]), fmt(r["mean_train_reward"], ".3f"), fmt(r["mean_train_success"], ".3f"),
+            f"{r['groups_cut']}/{r['groups']}",
             f"{r['zero_variance_groups']} ({r['zero_variance_all_fail']} fail, {r['zero_variance_all_success']} success)",
             f"{r['step_tokens_generated']:,}", f"{r['step_tokens_trained']:,}"]
 
