@@ -9,7 +9,8 @@
 #
 # ADAPTER: the policy measured (a warm start or a trained adapter); OUT defaults to
 # runs/gate-signals; CHUNKS to 4 (24 tasks x G 8 each); CONFIG to configs/gate-auto.yaml (train
-# games, T_max 30, temperature 0.7, signals at K 3, 5, 10, 15, 20). SKIP (default 120: the warm
+# games, T_max 30, temperature 0.7, signals at K 3, 5, 10, 15, 20; configs/gate-full.yaml is the same with
+# admissible actions, for a policy from the warm start on every train game). SKIP (default 120: the warm
 # start's games of configs/learning.yaml) is where the first chunk starts. A chunk with a
 # groups.csv is kept, so the script resumes, and a later call with a larger CHUNKS adds groups to
 # the pool (same adapter). ROUNDS (default 6: 32 rows in lockstep) bounds the memory a chunk holds.
