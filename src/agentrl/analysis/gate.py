@@ -100,48 +100,36 @@ def read_groups(path: Path) -> Table:
     return Table(np.array(K), {s: np.array(v) for s, v in sig.items()}, rewards, ids, types)
 
 
-def read_gigpo_mass(path: Path, t: Table) -> np.ndarray | None:
-    """Per row of the table, the group's GiGPO advantage mass (the sum over its trajectories'
-    steps of A(i, t)^2, `--advantage gigpo`'s defaults), from the trajectories.jsonl that
-    `agentrl rollout` writes beside groups.csv; None when there is none."""
+def read_trajectories(path: Path, t: Table) -> None:
+    """From the trajectories.jsonl that `agentrl rollout` writes beside groups.csv (read once), per
+    row of the table: the group's GiGPO advantage mass (the sum over its trajectories' steps of
+    A(i, t)^2, `--advantage gigpo`'s defaults) and its step-tokens after the row's K and in all
+    (sums of `step_tokens[K:]` and `step_tokens`, as Tier 1's oracle counts them). Left None when
+    there is no such file."""
     from collections import defaultdict
     from types import SimpleNamespace
 
     if not path.is_file():
-        return None
+        return
     by_task: dict[str, list] = defaultdict(list)
     for n, r in read_jsonl_numbered(path, bad="not a trajectory record"):
         try:
             steps = [SimpleNamespace(observation=s["observation"], valid=s["valid"]) for s in r["step_records"]]
             by_task[r["task_id"]].append(SimpleNamespace(reward=float(r["reward"]), initial_observation=r["initial_observation"],
-                                                         steps=steps, step_tokens=r["step_tokens"]))
+                                                         steps=steps, step_tokens=[int(x) for x in r["step_tokens"]]))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path}:{n}: not a trajectory record ({e.__class__.__name__}: {e})") from None
     fn = Advantage("gigpo")
     mass = {task: sum(x * x for a in fn.of_group(SimpleNamespace(trajectories=trajs)) for x in a)
             for task, trajs in by_task.items()}
-    return np.array([mass.get(task, np.nan) for task in t.task_id])
 
+    def tokens(task: str, K: int) -> float:  # K = 0: all steps
+        trajs = by_task.get(task)
+        return float("nan") if trajs is None else float(sum(sum(tr.step_tokens[K:]) for tr in trajs))
 
-def read_step_tokens(path: Path, t: Table) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-    """Per row of the table, the group's step-tokens after the row's K and in all (the sums over its
-    trajectories of `step_tokens[K:]` and `step_tokens`, as Tier 1's oracle counts them), from the
-    trajectories.jsonl beside groups.csv; (None, None) when there is none."""
-    from collections import defaultdict
-
-    if not path.is_file():
-        return None, None
-    by_task: dict[str, list[list[int]]] = defaultdict(list)
-    for n, r in read_jsonl_numbered(path, bad="not a trajectory record"):
-        try:
-            by_task[r["task_id"]].append([int(x) for x in r["step_tokens"]])
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{path}:{n}: not a trajectory record ({e.__class__.__name__}: {e})") from None
-    def tokens(task: str, K: int | None) -> float:
-        rows = by_task.get(task)
-        return float("nan") if rows is None else float(sum(sum(s[K:] if K is not None else s) for s in rows))
-    after = np.array([tokens(task, int(K)) for task, K in zip(t.task_id, t.K)])
-    return after, np.array([tokens(task, None) for task in t.task_id])
+    t.gigpo_sq = np.array([mass.get(task, np.nan) for task in t.task_id])
+    t.tokens_after = np.array([tokens(task, int(K)) for task, K in zip(t.task_id, t.K)])
+    t.tokens_total = np.array([tokens(task, 0) for task in t.task_id])
 
 
 def auroc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -459,8 +447,7 @@ def pooled(tables: Sequence[Path]) -> Table:
     parts = []
     for path in tables:
         t = read_groups(path)
-        t.gigpo_sq = read_gigpo_mass(path.parent / "trajectories.jsonl", t)
-        t.tokens_after, t.tokens_total = read_step_tokens(path.parent / "trajectories.jsonl", t)
+        read_trajectories(path.parent / "trajectories.jsonl", t)
         parts.append((path, t))
     seen: dict[str, Path] = {}
     for path, t in parts:
