@@ -31,10 +31,13 @@ def iteration(i, elapsed, grad, cut, zero_var, reward, **extra):
             "adapter_version": i, "logprob_gap": 0.01, "skipped_update": False, **extra}
 
 
-def evaluation(i, success, split="valid_seen"):
-    return {"kind": "eval", "iteration": i, "split": split, "tasks": 8, "success": success,
-            "by_task_type": {"pick_and_place_simple": {"episodes": 8, "success": success}}, "eval_s": 5.0,
-            "adapter_version": i}
+def evaluation(i, success, split="valid_seen", won=None):
+    row = {"kind": "eval", "iteration": i, "split": split, "tasks": 8, "success": success,
+           "by_task_type": {"pick_and_place_simple": {"episodes": 8, "success": success}}, "eval_s": 5.0,
+           "adapter_version": i}
+    if won is not None:  # the games won of g0..g7: per-game outcomes, as agentrl train writes them
+        row["outcomes"] = {f"g{k}": int(k in won) for k in range(8)}
+    return row
 
 
 def write_run(path, seed, gate, rows, torn=False):
@@ -54,16 +57,16 @@ def runs(tmp_path_factory):
         iteration(2, 200.0, 2.0, 0, 1, None),
         {"kind": "heartbeat", "t": 1},
         iteration(3, 300.0, 2.0, 0, 1, 0.25, unknown_key="ignored"),
-        evaluation(3, 0.5),
+        evaluation(3, 0.5, won={0, 1, 2, 3}),
         evaluation(3, 0.0, split="train"),  # not the held-out split
     ])
     gated = write_run(tmp_path / "gated", 7, '"10,0.12"', [
-        iteration(1, 80.0, 3.0, 2, 0, 1.0, train_success=0.5),
+        iteration(1, 80.0, 3.0, 2, 0, 1.0, train_success=0.5, step_tokens_generated=900, rollout_s=16.0),
         evaluation(0, 0.25),
-        iteration(2, 160.0, 3.0, 1, 1, 0.5, train_success=0.25),
+        iteration(2, 160.0, 3.0, 1, 1, 0.5, train_success=0.25, step_tokens_generated=950, rollout_s=16.0),
         evaluation(2, 0.75),
-        iteration(3, 240.0, 3.0, 0, 0, 0.0, train_success=0.0),
-        evaluation(3, 0.625),
+        iteration(3, 240.0, 3.0, 0, 0, 0.0, train_success=0.0, rollout_s=16.0),
+        evaluation(3, 0.625, won={0, 1, 2, 4, 5}),
     ], torn=True)
     return baseline, gated
 
@@ -85,6 +88,14 @@ def test_pair_is_the_papers_table5(runs, report):
     assert pair["grad_norm_ratio"] == pytest.approx(1.5) and pair["grad_norm_iterations"] == 3
     assert pair["heldout_delta_pts"] == pytest.approx(12.5)  # final evals 0.625 - 0.5
     assert (pair["zero_variance_groups_baseline"], pair["zero_variance_groups_gated"]) == (4, 1)
+    # the Tier 3 measure: rollout step-tokens 2,850 against 3,000, rollout seconds 48 against 60
+    assert (pair["step_tokens_baseline"], pair["step_tokens_gated"]) == (3000, 2850)
+    assert pair["step_tokens_saved_pct"] == pytest.approx(5.0)
+    assert pair["rollout_s_change_pct"] == pytest.approx(-20.0)
+    assert (pair["train_success_baseline"], pair["train_success_gated"]) == (None, pytest.approx(0.25))
+    # the final evals paired on the same 8 games: g4, g5 won by the gated arm alone, g3 by the baseline alone
+    assert pair["heldout_paired"] == {"iteration": 3, "split": "valid_seen", "games": 8, "difference_points": 12.5,
+                                      "mcnemar_p": 1.0, "won_only_by_gated": 2, "won_only_by_baseline": 1}
 
 
 def test_per_run_numbers(report):
@@ -101,7 +112,7 @@ def test_per_run_numbers(report):
     assert g["mean_train_success"] == pytest.approx(0.25)  # every trajectory, the cut ones as lost: below the uncut reward
     assert b["mean_train_success"] is None  # a run written before the metric
     assert (g["groups"], g["groups_cut"], g["zero_variance_groups"]) == (12, 3, 1)
-    assert (g["step_tokens_generated"], g["step_tokens_trained"]) == (3000, 2700)
+    assert (g["step_tokens_generated"], g["step_tokens_trained"]) == (2850, 2700)
 
 
 def test_files_and_markdown(report):
@@ -115,7 +126,8 @@ def test_files_and_markdown(report):
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(rep))
     md = (out / "report.md").read_text()
     assert md == report_markdown(rep)
-    assert "| gated | baseline | 7 | 10,0.12 | 3 / 3 | -20.0% | 3 | 1.500 | +12.5 pts | 4 → 1 |" in md
+    assert ("| gated | baseline | 7 | 10,0.12 | 3 / 3 | 5.0% (3,000 → 2,850) | -20.0% | -20.0% | 3 | 1.500 | "
+            "+12.5 pts (paired on 8, p = 1) | – → 0.250 | 4 → 1 |") in md
     assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.png"))
 
 

@@ -230,6 +230,10 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     b_mean, g_mean = mean(b_norm[i] for i in common), mean(g_norm[i] for i in common)
     wall_b, wall_g = b["wall_clock_s"], g["wall_clock_s"]
     final_b, final_g = b["final_heldout_success"], g["final_heldout_success"]
+    # the Tier 3 measure: rollout step-tokens (and rollout seconds) the gated arm spent against the
+    # baseline's, over the same tasks and iterations (each arm's own policy samples them)
+    tokens_b, tokens_g = b["step_tokens_generated"], g["step_tokens_generated"]
+    rollout_b, rollout_g = total(baseline, "rollout_s"), total(gated, "rollout_s")
     return {
         "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
         "iterations_baseline": b["iterations"], "iterations_gated": g["iterations"],
@@ -238,9 +242,29 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
         "grad_norm_ratio": g_mean / b_mean if b_mean and g_mean is not None else None,
         "grad_norm_iterations": len(common),
         "heldout_delta_pts": 100 * (final_g - final_b) if is_number(final_b) and is_number(final_g) else None,
+        "heldout_paired": final_pair(baseline, gated),
+        "step_tokens_baseline": tokens_b, "step_tokens_gated": tokens_g,
+        "step_tokens_saved_pct": 100 * (1 - tokens_g / tokens_b) if tokens_b else None,
+        "rollout_s_baseline": rollout_b, "rollout_s_gated": rollout_g,
+        "rollout_s_change_pct": 100 * (rollout_g / rollout_b - 1) if rollout_b else None,
+        "train_success_baseline": b["mean_train_success"], "train_success_gated": g["mean_train_success"],
         "zero_variance_groups_baseline": b["zero_variance_groups"],
         "zero_variance_groups_gated": g["zero_variance_groups"],
     }
+
+
+def final_pair(baseline: Run, gated: Run) -> dict | None:
+    """The arms' last held-out evals paired on the same games (exact McNemar), where both ran the
+    same split at the same iteration with per-game outcomes; None otherwise."""
+    if not baseline.evals or not gated.evals:
+        return None
+    b, g = baseline.evals[-1], gated.evals[-1]
+    if b["iteration"] != g["iteration"] or b.get("split") != g.get("split") or "outcomes" not in b or "outcomes" not in g:
+        return None
+    r = paired(b["outcomes"], g["outcomes"])
+    return {"iteration": b["iteration"], "split": b.get("split"), "games": r["games"],
+            "difference_points": r["difference_points"], "mcnemar_p": r["mcnemar_p"],
+            "won_only_by_gated": len(r["won_only_by_b"]), "won_only_by_baseline": len(r["won_only_by_a"])}
 
 
 # ---------------------------------------------------------------- figures
@@ -381,8 +405,9 @@ def success_at(r: dict, which: str) -> str:
 RUN_HEADER = ["run", "gate", "seed", "B×G", "iterations", "final held-out", "best held-out", "wall-clock",
               "train reward (uncut)", "won (all)", "groups cut", "zero-variance groups", "step-tokens generated", "step-tokens trained"]
 CURVE_HEADER = ["", "held-out success [95% CI] of games", "change", "exact McNemar p"]
-PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "wall-clock change", "groups cut",
-               "grad-norm ratio", "held-out Δ", "zero-variance groups (baseline → gated)"]
+PAIR_HEADER = ["gated", "baseline", "seed", "gate", "iterations", "rollout step-tokens saved", "rollout time change",
+               "wall-clock change", "groups cut", "grad-norm ratio", "held-out Δ", "train success (baseline → gated)",
+               "zero-variance groups (baseline → gated)"]
 
 
 def run_row(r: dict) -> list[str]:
@@ -396,9 +421,19 @@ def run_row(r: dict) -> list[str]:
 
 def pair_row(p: dict) -> list[str]:
     return [Path(p["gated"]).name, Path(p["baseline"]).name, fmt(p["seed"], ""), p["gate"],
-            f"{p['iterations_baseline']} / {p['iterations_gated']}", fmt(p["wall_clock_change_pct"], "+.1f", "%"),
-            str(p["groups_cut"]), fmt(p["grad_norm_ratio"], ".3f"), fmt(p["heldout_delta_pts"], "+.1f", " pts"),
+            f"{p['iterations_baseline']} / {p['iterations_gated']}",
+            f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')} ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,})",
+            fmt(p["rollout_s_change_pct"], "+.1f", "%"), fmt(p["wall_clock_change_pct"], "+.1f", "%"),
+            str(p["groups_cut"]), fmt(p["grad_norm_ratio"], ".3f"), heldout_delta(p),
+            f"{fmt(p['train_success_baseline'], '.3f')} → {fmt(p['train_success_gated'], '.3f')}",
             f"{p['zero_variance_groups_baseline']} → {p['zero_variance_groups_gated']}"]
+
+
+def heldout_delta(p: dict) -> str:
+    """The final held-out difference, paired with its McNemar p where both arms' outcomes are there."""
+    text = fmt(p["heldout_delta_pts"], "+.1f", " pts")
+    pair = p.get("heldout_paired")
+    return f"{text} (paired on {pair['games']}, p = {pair['mcnemar_p']:.2g})" if pair else text
 
 
 def tables(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
