@@ -231,9 +231,14 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     wall_b, wall_g = b["wall_clock_s"], g["wall_clock_s"]
     final_b, final_g = b["final_heldout_success"], g["final_heldout_success"]
     # the Tier 3 measure: rollout step-tokens (and rollout seconds) the gated arm spent against the
-    # baseline's, over the same tasks and iterations (each arm's own policy samples them)
-    tokens_b, tokens_g = b["step_tokens_generated"], g["step_tokens_generated"]
-    rollout_b, rollout_g = total(baseline, "rollout_s"), total(gated, "rollout_s")
+    # baseline's, over the iterations both ran (the same tasks; each arm's own policy samples them)
+    both = {r["iteration"] for r in baseline.iterations} & {r["iteration"] for r in gated.iterations}
+
+    def over_both(run: Run, key: str):
+        return sum(r[key] for r in run.iterations if r["iteration"] in both and is_number(r.get(key)))
+
+    tokens_b, tokens_g = over_both(baseline, "step_tokens_generated"), over_both(gated, "step_tokens_generated")
+    rollout_b, rollout_g = over_both(baseline, "rollout_s"), over_both(gated, "rollout_s")
     return {
         "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
         "iterations_baseline": b["iterations"], "iterations_gated": g["iterations"],
@@ -243,6 +248,7 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
         "grad_norm_iterations": len(common),
         "heldout_delta_pts": 100 * (final_g - final_b) if is_number(final_b) and is_number(final_g) else None,
         "heldout_paired": final_pair(baseline, gated),
+        "iterations_compared": len(both),
         "step_tokens_baseline": tokens_b, "step_tokens_gated": tokens_g,
         "step_tokens_saved_pct": 100 * (1 - tokens_g / tokens_b) if tokens_b else None,
         "rollout_s_baseline": rollout_b, "rollout_s_gated": rollout_g,
@@ -422,7 +428,8 @@ def run_row(r: dict) -> list[str]:
 def pair_row(p: dict) -> list[str]:
     return [Path(p["gated"]).name, Path(p["baseline"]).name, fmt(p["seed"], ""), p["gate"],
             f"{p['iterations_baseline']} / {p['iterations_gated']}",
-            f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')} ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,})",
+            f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')} ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,}"
+            f" in {p['iterations_compared']} iterations)",
             fmt(p["rollout_s_change_pct"], "+.1f", "%"), fmt(p["wall_clock_change_pct"], "+.1f", "%"),
             str(p["groups_cut"]), fmt(p["grad_norm_ratio"], ".3f"), heldout_delta(p),
             f"{fmt(p['train_success_baseline'], '.3f')} → {fmt(p['train_success_gated'], '.3f')}",
