@@ -138,8 +138,9 @@ def mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def total(run: Run, key: str) -> int | float:
-    return sum(r[key] for r in run.iterations if is_number(r.get(key)))
+def total(run: Run, key: str, iterations: set[int] | None = None) -> int | float:
+    """The sum of key over the run's iterations (or over those in `iterations`)."""
+    return sum(r[key] for r in run.iterations if is_number(r.get(key)) and (iterations is None or r["iteration"] in iterations))
 
 
 def run_summary(run: Run) -> dict:
@@ -233,12 +234,8 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     # the Tier 3 measure: rollout step-tokens (and rollout seconds) the gated arm spent against the
     # baseline's, over the iterations both ran (the same tasks; each arm's own policy samples them)
     both = {r["iteration"] for r in baseline.iterations} & {r["iteration"] for r in gated.iterations}
-
-    def over_both(run: Run, key: str):
-        return sum(r[key] for r in run.iterations if r["iteration"] in both and is_number(r.get(key)))
-
-    tokens_b, tokens_g = over_both(baseline, "step_tokens_generated"), over_both(gated, "step_tokens_generated")
-    rollout_b, rollout_g = over_both(baseline, "rollout_s"), over_both(gated, "rollout_s")
+    tokens_b, tokens_g = (total(r, "step_tokens_generated", both) for r in (baseline, gated))
+    rollout_b, rollout_g = (total(r, "rollout_s", both) for r in (baseline, gated))
     return {
         "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
         "iterations_baseline": b["iterations"], "iterations_gated": g["iterations"],
