@@ -99,6 +99,7 @@ def test_rollout_bad_input(tmp_path, args, pattern):
     "args, pattern",
     [
         (["--lr", "-1"], r"learner.lr must be > 0"),
+        (["--lora-r", "-1"], r"learner.lora_r must be >= 0 \(0: full fine-tuning\)"),
         (["--group-size", "1"], r"group_size must be >= 2"),
         (["--gate", "12,0.1", "--max-steps", "10"], r"gate K=12 is beyond T_max=10"),
         (["--advantage", "ppo"], r"train.advantage must be one of grpo, dr_grpo, rloo"),

@@ -290,8 +290,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, full_warm_start, tiny_actor_
          "e1", "nor a full model directory"),
         (["train", "--model", str(tiny_actor_dir), "--init-adapter", str(out), "--out", str(tmp_path / "r1")],
          "r1", "learner.lora_r 16 trains a LoRA"),  # the default rank cannot continue full weights
-        (["train", "--init-adapter", str(out), "--out", str(tmp_path / "r2"), "--sampler", "vllm", "--config",
-          str(write_config(tmp_path))], "r2", "needs --sampler hf"),
+        (["train", "--init-adapter", str(out), "--out", str(tmp_path / "r2"), "--sampler", "vllm", "--lora-r", "0"],
+         "r2", "needs --sampler hf"),  # the flag sets learner.lora_r as the config file does
         (["train", "--init-adapter", str(out), "--out", str(tmp_path / "r3"), "--config", str(write_config(tmp_path))],
          "r3", "do not fit 'default'"),  # the tiny model's weights, the default model
     ]

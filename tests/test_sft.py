@@ -392,6 +392,7 @@ def test_bad_input_is_one_line_and_exit_2_and_nothing_is_written(tmp_path, warm_
         (["train", "--out", str(tmp_path / "r3"), "--init-adapter", str(out)], "r3", "does not fit"),  # tiny adapter, default model
         (["sft", "--out", str(tmp_path / "s1"), "--epochs", "0"], "s1", "sft.epochs"),
         (["sft", "--out", str(tmp_path / "s2"), "--games", "0"], "s2", "sft.games"),
+        (["sft", "--out", str(tmp_path / "s4"), "--lora-r", "-2"], "s4", "learner.lora_r must be >= 0"),
         (["sft", "--out", str(tmp_path / "s3"), "--data", str(tmp_path / "empty")], "s3", "not found"),
     ]
     (tmp_path / "empty" / "json_2.1.1" / "valid_seen").mkdir(parents=True)  # a data root without train games

@@ -54,6 +54,7 @@ ConfigOpt = opt(Optional[Path], None, "YAML config (see configs/).", "--config",
 ModelOpt = opt(OptStr, "model.name", "'default', a local HF model directory, or a hub id.")
 AdapterOpt = opt(OptStr, "model.adapter", "PEFT adapter directory to apply, or full weights (a model directory from learner.lora_r 0).")
 MaxNewTokensOpt = opt(OptInt, "sampling.max_new_tokens", "Token budget of one reply.")
+LoraROpt = opt(OptInt, "learner.lora_r", "LoRA rank the learner trains (0: full fine-tuning, every weight, fp32 master weights).")
 SamplerOpt = opt(OptStr, "sampling.backend", "Sampler backend: hf (transformers, CPU or GPU) | vllm (GPU, LoRA hot-swap).")
 ActionSpaceOpt = opt(OptStr, "sampling.action_space",
                      "What a reply may be: free (text; its Action: line fuzzy-matched to an admissible command) | "

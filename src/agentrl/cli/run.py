@@ -9,7 +9,7 @@ import typer
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
                                  progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
-from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt,
+from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoraROpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
@@ -198,6 +198,7 @@ def train_cmd(
     kv_budget_gb: KVBudgetOpt = None,
     sampler_batch_size: opt(OptInt, "sampling.batch_size", "Trajectories per sampler forward (the live ones are chunked); lower it when one chunk cannot fit the KV budget.") = None,
     micro_batch: opt(OptInt, "learner.micro_batch", "Learner rows per forward/backward (the gradient is the same; lower it when the learner cannot fit).") = None,
+    lora_r: LoraROpt = None,
     gradient_checkpointing: opt(OptBool, "learner.gradient_checkpointing", "Recompute each layer in backward: about 1/8 of the learner's activations for a second forward's compute.", "--gradient-checkpointing/--no-gradient-checkpointing") = None,
     sampler_device: opt(OptStr, "model.device", "Device of the sampler (e.g. cuda:0; default auto).") = None,
     learner_device: opt(OptStr, "learner.device", "Device of the learner (e.g. cuda:1: the learner gets its own process).") = None,
@@ -263,6 +264,7 @@ def sft_cmd(
     games: opt(OptInt, "sft.games", "Walkthroughs to learn from, round-robin over task types (default: all of the split).") = None,
     epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
+    lora_r: LoraROpt = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
