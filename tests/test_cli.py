@@ -362,11 +362,11 @@ def test_every_option_sets_a_real_config_field():
             yield from fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [f"{prefix}{f.name}"]
 
     known = set(fields(Config()))
-    for command, n in ((run.eval_cmd, 18), (run.rollout_cmd, 24), (run.train_cmd, 43), (run.sft_cmd, 10)):
+    for command, n in ((run.eval_cmd, 18), (run.rollout_cmd, 24), (run.train_cmd, 44), (run.sft_cmd, 11)):
         paths = overrides(command, {name: None for name in command.__code__.co_varnames})
         assert set(paths) <= known and len(paths) == n, (command.__name__, set(paths) - known, len(paths))
     train = overrides(run.train_cmd, {name: None for name in run.train_cmd.__code__.co_varnames})
-    assert "train.dapo_filter" not in train and {"train.layout", "select.stages", "learner.micro_batch"} <= set(train)
+    assert "train.dapo_filter" not in train and {"train.layout", "select.stages", "learner.micro_batch", "learner.lora_r"} <= set(train)
 
 
 def test_options_become_overrides_with_their_conversions():
