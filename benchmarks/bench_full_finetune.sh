@@ -12,8 +12,8 @@
 # configs/default.yaml, `make train`'s 120 walkthroughs, one epoch. FULL_LRS="5e-5 2e-4" (sft.lr of
 # the full arms; the LoRA arm keeps CONFIG's); EVAL_CONFIG=configs/learning.yaml (T_max 30);
 # SPACE=admissible (or free); SPLITS="valid_seen valid_unseen". Arms and evals already written are
-# kept, so the same command continues an interrupted run. About 10 minutes a warm start and 15-20
-# an eval of one split on the 2-core CPU (docs/measurements/full-finetune.md).
+# kept, so the same command continues an interrupted run. About 10 minutes a warm start and 21-27
+# minutes an eval of one split on the 2-core CPU at 120 walkthroughs (docs/measurements/full-finetune.md).
 set -euo pipefail
 OUT=${1:-runs/full-finetune-$(date +%Y%m%d-%H%M%S)}
 CONFIG=${2:-configs/default.yaml}
