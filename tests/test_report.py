@@ -87,6 +87,7 @@ def test_pair_is_the_papers_table5(runs, report):
     assert pair["groups_cut"] == 3
     assert pair["grad_norm_ratio"] == pytest.approx(1.5) and pair["grad_norm_iterations"] == 3
     assert pair["heldout_delta_pts"] == pytest.approx(12.5)  # final evals 0.625 - 0.5
+    assert pair["heldout_iteration"] == 3
     assert (pair["zero_variance_groups_baseline"], pair["zero_variance_groups_gated"]) == (4, 1)
     # the Tier 3 measure: rollout step-tokens 2,850 against 3,000, rollout seconds 48 against 60
     assert (pair["step_tokens_baseline"], pair["step_tokens_gated"], pair["iterations_compared"]) == (3000, 2850, 3)
@@ -127,7 +128,7 @@ def test_files_and_markdown(report):
     md = (out / "report.md").read_text()
     assert md == report_markdown(rep)
     assert ("| gated | baseline | 7 | 10,0.12 | 3 / 3 | 5.0% (3,000 → 2,850 in 3 iterations) | -20.0% | -20.0% | 3 | 1.500 | "
-            "+12.5 pts (paired on 8, p = 1) | – → 0.250 | 4 → 1 |") in md
+            "+12.5 pts @3 (paired on 8, p = 1) | – → 0.250 | 4 → 1 |") in md
     assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.png"))
 
 
@@ -140,14 +141,18 @@ def test_torn_last_line_is_skipped_with_a_warning(runs, caplog):
 
 def test_table5_compares_the_iterations_both_arms_ran(runs, tmp_path):
     """A baseline stopped after 2 iterations: step-tokens and rollout seconds over iterations 1-2 of
-    both arms, not 2 against 3; the final evals at different iterations are not paired."""
+    both arms, not 2 against 3; held-out success at iteration 2, the last both evaluated (the gated
+    arm's 0.75 against 0.5), not the gated arm's iteration 3 against the baseline's 2; unpaired,
+    since the gated arm's eval at 2 kept no per-game outcomes."""
     short = write_run(tmp_path / "short", 7, "off", [evaluation(0, 0.25), iteration(1, 100.0, 2.0, 0, 0, 0.5),
                                                      iteration(2, 200.0, 2.0, 0, 0, 0.5), evaluation(2, 0.5, won={0})])
     (pair,) = build_report([short, runs[1]], tmp_path / "out")["pairs"]
     assert (pair["step_tokens_baseline"], pair["step_tokens_gated"], pair["iterations_compared"]) == (2000, 1850, 2)
     assert pair["step_tokens_saved_pct"] == pytest.approx(7.5)
     assert pair["rollout_s_change_pct"] == pytest.approx(-20.0)  # 32 s against 40
-    assert pair["heldout_paired"] is None  # iteration 3 against 2
+    assert (pair["heldout_iteration"], pair["heldout_delta_pts"]) == (2, pytest.approx(25.0))
+    assert pair["heldout_paired"] is None
+    assert "| +25.0 pts @2 |" in report_markdown(build_report([short, runs[1]], tmp_path / "out2"))
 
 
 def test_no_pair_without_a_same_seed_baseline(runs, tmp_path):

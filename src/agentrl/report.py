@@ -230,7 +230,9 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     common = sorted(b_norm.keys() & g_norm.keys())
     b_mean, g_mean = mean(b_norm[i] for i in common), mean(g_norm[i] for i in common)
     wall_b, wall_g = b["wall_clock_s"], g["wall_clock_s"]
-    final_b, final_g = b["final_heldout_success"], g["final_heldout_success"]
+    # held-out success at the last iteration both arms evaluated: arms stopped at different
+    # iterations are compared where both stood, never one arm's iteration 16 against the other's 9
+    last_b, last_g = last_common_evals(baseline, gated)
     # the Tier 3 measure: rollout step-tokens (and rollout seconds) the gated arm spent against the
     # baseline's, over the iterations both ran (the same tasks; each arm's own policy samples them)
     both = {r["iteration"] for r in baseline.iterations} & {r["iteration"] for r in gated.iterations}
@@ -243,8 +245,10 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
         "groups_cut": g["groups_cut"],
         "grad_norm_ratio": g_mean / b_mean if b_mean and g_mean is not None else None,
         "grad_norm_iterations": len(common),
-        "heldout_delta_pts": 100 * (final_g - final_b) if is_number(final_b) and is_number(final_g) else None,
-        "heldout_paired": final_pair(baseline, gated),
+        "heldout_iteration": last_b["iteration"] if last_b else None,
+        "heldout_delta_pts": (100 * (last_g["success"] - last_b["success"])
+                              if last_b and is_number(last_b.get("success")) and is_number(last_g.get("success")) else None),
+        "heldout_paired": eval_pair(last_b, last_g),
         "iterations_compared": len(both),
         "step_tokens_baseline": tokens_b, "step_tokens_gated": tokens_g,
         "step_tokens_saved_pct": 100 * (1 - tokens_g / tokens_b) if tokens_b else None,
@@ -256,12 +260,18 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     }
 
 
-def final_pair(baseline: Run, gated: Run) -> dict | None:
-    """The arms' last held-out evals paired on the same games (exact McNemar), where both ran the
-    same split at the same iteration with per-game outcomes; None otherwise."""
-    if not baseline.evals or not gated.evals:
+def last_common_evals(baseline: Run, gated: Run) -> tuple[dict | None, dict | None]:
+    """The two arms' held-out evals at the last iteration both evaluated; (None, None) if none."""
+    at_b, at_g = ({e["iteration"]: e for e in r.evals} for r in (baseline, gated))
+    both = at_b.keys() & at_g.keys()
+    return (at_b[max(both)], at_g[max(both)]) if both else (None, None)
+
+
+def eval_pair(b: dict | None, g: dict | None) -> dict | None:
+    """Two held-out evals paired on the same games (exact McNemar), where both ran the same split
+    at the same iteration with per-game outcomes; None otherwise."""
+    if not b or not g:
         return None
-    b, g = baseline.evals[-1], gated.evals[-1]
     if b["iteration"] != g["iteration"] or b.get("split") != g.get("split") or "outcomes" not in b or "outcomes" not in g:
         return None
     r = paired(b["outcomes"], g["outcomes"])
@@ -434,8 +444,11 @@ def pair_row(p: dict) -> list[str]:
 
 
 def heldout_delta(p: dict) -> str:
-    """The final held-out difference, paired with its McNemar p where both arms' outcomes are there."""
+    """The held-out difference at the last iteration both arms evaluated, paired with its McNemar p
+    where both arms' outcomes are there."""
     text = fmt(p["heldout_delta_pts"], "+.1f", " pts")
+    if p["heldout_delta_pts"] is not None and p.get("heldout_iteration") is not None:
+        text += f" @{p['heldout_iteration']}"
     pair = p.get("heldout_paired")
     return f"{text} (paired on {pair['games']}, p = {pair['mcnemar_p']:.2g})" if pair else text
 
