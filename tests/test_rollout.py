@@ -142,6 +142,43 @@ def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, toke
     assert max(seen) + params.max_new_tokens <= sampler.max_model_len
 
 
+def test_an_episode_that_runs_out_of_steps_in_a_cycle_is_counted_as_looped(games, tokenizer):
+    """`looped`: the last 12 commands repeat a cycle of at most 6 (the greedy policy's commonest
+    failure). A real game played by given replies (sft's ExpertSampler): going back and forth
+    between two places until T_max is a loop; the same replies cut short by T_max 11 are not
+    (fewer than 12 steps), nor is an episode whose last 12 commands hold no cycle; a won episode
+    never is. Counted per trajectory in the behaviour metrics and the console line."""
+    from agentrl.rollout import ModelPolicy
+    from agentrl.rollout.trajectory import Step, Trajectory, behaviour_metrics, looped
+    from agentrl.sampling.base import SamplingParams
+    from agentrl.train.sft import ExpertSampler
+
+    game = games["pick_and_place_simple"]
+    places = [c for c in game.walkthrough if c.startswith("go to ")][:2]
+    assert len(set(places)) == 2
+    replies = tuple(f"Action: {places[i % 2]}" for i in range(14))
+    sampler = ExpertSampler(tokenizer, {game.game_id: replies}, None)
+    for max_steps, want in ((14, True), (11, False)):
+        rollout = run_lockstep([game], ModelPolicy(sampler, SamplingParams(0.0, 1.0, 16), seed=0), max_steps=max_steps)
+        t = rollout.trajectories[0]
+        assert t.stop_reason == "max_steps" and len(t.steps) == max_steps and looped(t) is want
+    assert behaviour_metrics([t, t])["looped_rate"] == 0.0
+
+    def played(commands, stop="max_steps"):
+        steps = [Step(f"Action: {c}", c, c, "", False, False) for c in commands]
+        return Trajectory(game, steps=steps, stop_reason=stop)
+
+    cycle6 = [f"go to shelf {i}" for i in range(6)] * 3
+    assert looped(played(cycle6)) and not looped(played(cycle6, stop="won"))
+    assert not looped(played([f"go to shelf {i}" for i in range(7)] * 3))  # a cycle of 7: not counted
+    assert not looped(played(["look"] * 11 + ["inventory"]))
+    metrics = behaviour_metrics([played(cycle6), played(["look"] * 20, stop="won")])
+    assert metrics["looped_rate"] == 0.5
+    from agentrl.cli.display import behaviour
+
+    assert "looped 50%" in behaviour(metrics)
+
+
 def test_replies_cut_at_max_new_tokens_are_counted(games, tokenizer):
     """A reply that runs into max_new_tokens (no end-of-turn) is counted per trajectory and in the
     behaviour metrics (the console's "% cut at max_new_tokens"): a policy drifting into junk, such

@@ -102,7 +102,8 @@ def print_summary(s: dict) -> None:
     title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
     if s.get("samples"):
         title += f" · {s['samples']} episodes per game at temperature {s['temperature']} (interval: bootstrap over games)"
-    t = table(title, ("task type", "episodes", "won", "success", "95% CI", "valid actions", "mean steps", "invalid/ep"),
+    t = table(title, ("task type", "episodes", "won", "success", "95% CI", "valid actions", "mean steps", "invalid/ep",
+                                  "looped"),
               left=("task type",))
 
     def row(name: str, b: dict, style: str | None = None) -> None:
@@ -110,7 +111,8 @@ def print_summary(s: dict) -> None:
         valid = b.get("valid_action_rate")
         t.add_row(name, str(b["episodes"]), str(b["won"]), f"{100 * b['success_rate']:.1f}%",
                   f"{100 * lo:.1f}–{100 * hi:.1f}%", "-" if valid is None else f"{100 * valid:.0f}%",
-                  f"{b['mean_steps']:.1f}", f"{b['invalid_actions_per_episode']:.1f}", style=style)
+                  f"{b['mean_steps']:.1f}", f"{b['invalid_actions_per_episode']:.1f}", pct(b.get("looped_rate")),
+                  style=style)
 
     for name, b in s["by_task_type"].items():
         row(name, b)
@@ -281,13 +283,18 @@ def num(v, fmt):
     return "-" if v is None else format(v, fmt)
 
 
+def pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
 def behaviour(row: dict) -> str:
-    """valid-action rate, reply length and episode length of a metrics row."""
+    """valid-action rate, reply length, episode length and looped share of a metrics row."""
     rate = row.get("valid_action_rate")
     cut = row.get("replies_cut_rate")
     return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok"
             f"{'' if not cut else f' ({100 * cut:.0f}% cut at max_new_tokens)'}  "
-            f"episode {num(row.get('mean_episode_steps'), '.1f')} steps")
+            f"episode {num(row.get('mean_episode_steps'), '.1f')} steps"
+            + ("" if row.get("looped_rate") is None else f"  looped {pct(row['looped_rate'])}"))
 
 
 def sft_epoch_line(row: dict) -> str:

@@ -151,11 +151,24 @@ def played_or_stop(trajectories: list[Trajectory], what: str) -> list[Trajectory
     return ran
 
 
+LOOP_WINDOW, LOOP_PERIOD = 12, 6  # the last 12 steps repeat a cycle of at most 6 commands
+
+
+def looped(t: Trajectory) -> bool:
+    """The episode ran out of steps going round a cycle: its last LOOP_WINDOW commands repeat with a
+    period of at most LOOP_PERIOD (an invalid reply counts as its text: it changes nothing either).
+    A greedy policy that returns to a state it saw repeats itself; this names that failure."""
+    if t.stop_reason != "max_steps" or len(t.steps) < LOOP_WINDOW:
+        return False
+    tail = [s.command if s.command is not None else s.response.strip() for s in t.steps[-LOOP_WINDOW:]]
+    return any(all(tail[i] == tail[i - p] for i in range(p, LOOP_WINDOW)) for p in range(1, LOOP_PERIOD + 1))
+
+
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success
-    by task type, and the share of replies cut at max_new_tokens. Cut or pruned trajectories count
-    for the steps they took."""
+    by task type, the share of replies cut at max_new_tokens, and the share of episodes that ran out
+    of steps going round a cycle (`looped`). Cut or pruned trajectories count for the steps they took."""
     steps = [s for t in trajectories for s in t.steps]
     replies = [n for t in trajectories for n in t.step_tokens]
     by_type: dict[str, list[bool]] = {}
@@ -165,6 +178,7 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
         "valid_action_rate": round(sum(s.valid for s in steps) / len(steps), 4) if steps else None,
         "mean_reply_tokens": round(sum(replies) / len(replies), 2) if replies else None,
         "replies_cut_rate": round(sum(t.replies_cut for t in trajectories) / len(replies), 4) if replies else None,
+        "looped_rate": round(sum(map(looped, trajectories)) / len(trajectories), 4) if trajectories else None,
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
         "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
     }
