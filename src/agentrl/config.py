@@ -233,6 +233,11 @@ class SftConfig:
     grad_clip: float = 1.0
     heldout_split: str = "valid_seen"
     heldout_games: int = 12  # walkthroughs whose NLL is measured after each epoch (0: none)
+    # the teacher: walkthrough (the game file's plan, written knowing where every object is) | handcoded
+    # (ALFWorld's hand-coded expert, played through the engine: it searches for what it has not seen;
+    # a game it does not win within expert_max_steps is skipped, counted)
+    expert: str = "walkthrough"
+    expert_max_steps: int = 50
     # a checkpoint (LoRA, optimizer, lr schedule, position) in OUT.partial/ at the first optimizer step
     # this many minutes after the last (0: every step; null: none); the same command continues it.
     # How often is not part of the recipe: a resumed warm start equals an uninterrupted one
@@ -541,6 +546,10 @@ def _check_sft(c: Config) -> Checks:
         (s.schedule in ("constant", "cosine"), f"sft.schedule must be constant or cosine, got {s.schedule!r}"),
         (0 <= s.min_lr_ratio <= 1, f"sft.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}"),
         (s.heldout_games >= 0, f"sft.heldout_games must be >= 0, got {s.heldout_games}"),
+        (s.expert in ("walkthrough", "handcoded"), f"sft.expert must be walkthrough or handcoded, got {s.expert!r}"),
+        (s.expert == "walkthrough" or c.env.kind == "alfworld",
+         f"sft.expert handcoded is ALFWorld's expert: it needs env.kind alfworld, got {c.env.kind!r}"),
+        (s.expert_max_steps >= 1, f"sft.expert_max_steps must be >= 1, got {s.expert_max_steps}"),
         (s.checkpoint_minutes is None or s.checkpoint_minutes >= 0,
          f"sft.checkpoint_minutes must be >= 0 (0: every step; null: never), got {s.checkpoint_minutes}"),
         (s.split in SPLITS and s.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),

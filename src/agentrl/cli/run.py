@@ -265,6 +265,7 @@ def sft_cmd(
     epochs: opt(OptInt, "sft.epochs", "Passes over the walkthroughs (default 2).") = None,
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
     lora_r: LoraROpt = None,
+    expert: opt(OptStr, "sft.expert", "The teacher: walkthrough (each game file's plan, written knowing where everything is; the default) | handcoded (ALFWorld's hand-coded expert, which searches; a game it does not win in sft.expert_max_steps is skipped, counted).") = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
@@ -291,7 +292,8 @@ def sft_cmd(
     resolve_model(cfg.model.name)
     if not sources:
         sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
-    labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training"}
+    labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training",
+              "expert": "playing the hand-coded expert", "heldout expert": "playing the hand-coded expert, held-out games"}
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")
 

@@ -185,7 +185,7 @@ def _memoised_parse(parse):
 class AlfworldEnv:
     """Load a game once; reset/step it. Not thread-safe; one per process/worker."""
 
-    def __init__(self, game: Game):
+    def __init__(self, game: Game, facts: bool = False):
         import textworld
         from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
@@ -193,13 +193,15 @@ class AlfworldEnv:
         _install_lib_pool()  # always: a resource fix, not a cache
 
         self.game = game
-        infos = textworld.EnvInfos(won=True, admissible_commands=True)
+        # facts: the engine's whole state after each command (`state`), for ALFWorld's own expert (expert.py)
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, facts=facts)
         try:
             self._env = textworld.start(str(game.path), request_infos=infos, wrappers=[AlfredDemangler(), AlfredInfos])
         except Exception as e:  # the engine raises many types on bad PDDL/grammar
             raise GameLoadError(f"cannot load game {game.path}: {e.__class__.__name__}: {e}") from e
         self._admissible: list[str] = []
         self.won = False
+        self.state = None  # the engine's last game state (its facts when asked for)
 
     def reset(self) -> StepResult:
         try:
@@ -216,6 +218,7 @@ class AlfworldEnv:
         return self._result(state, done=bool(done))
 
     def _result(self, state, done: bool) -> StepResult:
+        self.state = state
         self._admissible = list(state["admissible_commands"] or [])
         self.won = bool(state["won"])
         return StepResult(clean_observation(state.feedback), list(self._admissible), self.won, done or self.won)

@@ -79,6 +79,8 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
                 out.append(None)
             elif op == "replay":  # a whole walkthrough, its env opened and closed here (replay.py)
                 out.append(replay_game(make_env, *arg))
+            elif op == "expert":  # a game played by ALFWorld's hand-coded expert, its env opened and closed here
+                out.append(play_expert(*arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
             if (env := envs.pop(handle, None)) is not None:  # closed: its library copy goes back to the free list
                 with contextlib.suppress(Exception):  # a second failure, while closing, is not the one to report
@@ -87,12 +89,18 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
     return out
 
 
+def play_expert(game, max_steps: int, seed: int):
+    from agentrl.env.expert import play_handcoded  # the engine's expert: imported where it plays
+
+    return play_handcoded(game, max_steps, seed)
+
+
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
     """A request's plan: which worker gets which items. The envs of one game go to one worker
     (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers.
     A replay holds no env after its answer: its items are dealt round-robin, nothing is owned."""
-    if op == "replay":
-        pending = Pending(op, [EnvFailure(f"replay lost with its {what}")] * len(items))
+    if op in ("replay", "expert"):
+        pending = Pending(op, [EnvFailure(f"{op} lost with its {what}")] * len(items))
         for i in range(len(items)):
             pending.shares.setdefault(i % n_workers, []).append(i)
         return pending
@@ -156,6 +164,8 @@ class LocalEnvs(_Batches):
                 return self._envs[handle].step(arg)
             if op == "replay":
                 return replay_game(self.make_env, *arg)
+            if op == "expert":
+                return play_expert(*arg)
             env = self._envs.pop(handle, None)  # release
             if env is not None:
                 env.close()

@@ -38,6 +38,7 @@ from agentrl import faults
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
 from agentrl.env.data import round_robin, spread
+from agentrl.env.expert import EXPERT_DIRNAME, ExpertCache, expert_games
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
 from agentrl.errors import UserError
@@ -275,7 +276,11 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
                        **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
             "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
                      "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
-            "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE}, "dataset_version": DATASET_VERSION,
+            "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE},
+            # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
+            **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
+               if cfg.sft.expert != "walkthrough" else {}),
+            "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {})}
 
 
@@ -300,7 +305,8 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
 
 
 # ---------------------------------------------------------------- checkpoints: a killed warm start continues
-NOT_RECIPE = ("checkpoint_minutes",)  # sft settings that decide how a run is kept, not what it learns
+# sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
+NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps")
 
 
 @dataclass
@@ -433,7 +439,8 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "weights": learner.kind,  # lora, or full (learner.lora_r 0: every weight, a model directory)
         "sft": {**origin, "examples": len(data.examples), "skipped": len(data.skipped), "epochs": s.epochs, "lr": s.lr,
                 "optimizer_steps": sum(r.get("steps", 0) for r in rows), "schedule": s.schedule, "warmup": s.warmup,
-                "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed},
+                "reply_tokens": rows[0]["reply_tokens"], "seed": cfg.seed,
+                **({"expert": s.expert} if s.expert != "walkthrough" and won is None else {})},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((before + time.perf_counter() - t0) / 60, 2),
         "recipe": run_recipe,
@@ -452,10 +459,14 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
     replays = ReplayCache(cache_dir.parent / REPLAY_DIRNAME)
     envs = EnvsOnDemand(cfg)  # no worker started when every walkthrough is in the replay cache
     try:
+        games, not_taught = taught(cfg, "expert", games, envs, cache_dir, replays, hooks)
+        heldout_games, held_not_taught = taught(cfg, "heldout expert", heldout_games, envs, cache_dir, replays, hooks)
         data = expert_data(cfg, "replay", games, tokenizer, envs, cache_dir, replays, hooks)
         held = expert_data(cfg, "heldout", heldout_games, tokenizer, envs, cache_dir, replays, hooks)
     finally:
         envs.shutdown()
+    data.skipped += not_taught
+    held.skipped += held_not_taught
     for game_id, why in data.skipped + held.skipped:
         log.warning("walkthrough of %s skipped: %s", game_id, why)
     for name, d in (("train", data), ("held-out", held)):
@@ -466,6 +477,18 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
     if games and not data.examples:  # (no games: `--from`'s rollouts are the data)
         raise UserError(f"none of the {len(games)} selected walkthroughs could be replayed to a win; nothing to learn")
     return data, held
+
+
+def taught(cfg: Config, phase: str, games, envs, cache_dir: Path, replays: ReplayCache,
+           hooks: SftHooks) -> tuple[list, list[tuple[str, str]]]:
+    """The games as `sft.expert` teaches them, and those it cannot (game id, why): the walkthrough
+    as it is; the hand-coded expert (env/expert.py) in its place, each game's play kept in
+    `<cache>/expert/` and handed to the replay cache, so the replay that follows reads it."""
+    if cfg.sft.expert == "walkthrough" or not games:
+        return games, []
+    hooks.phase(phase, len(games))
+    return expert_games(games, envs, ExpertCache(cache_dir.parent / EXPERT_DIRNAME), replays, cfg.sft.expert_max_steps,
+                        cfg.seed, cfg.env.fuzzy_threshold, on_game=lambda n: hooks.advance(n))
 
 
 def expert_data(cfg: Config, phase: str, games, tokenizer, envs, cache_dir: Path, replays: ReplayCache,
