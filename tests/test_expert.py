@@ -93,6 +93,10 @@ def test_a_warm_start_taught_by_the_expert_learns_its_commands_and_names_it(tmp_
     model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir)
     summary = run_sft(cfg, out, model=model, tokenizer=tokenizer, cache_dir=tmp_path / "cache")
     assert summary["sft"]["examples"] == 2 and summary["recipe"]["expert"]["name"] == "handcoded"
+    assert summary["sft"]["expert"] == "handcoded"
+    from agentrl.cli.display import sft_summary_lines
+
+    assert "on the hand-coded expert's play of 2 games" in sft_summary_lines(summary, out)[0]
     assert (tmp_path / "expert").is_dir() and any((tmp_path / "expert").glob("*.json"))
 
     # the examples' replies are the expert's commands ("look" first), not the walkthrough's

@@ -305,9 +305,12 @@ def sft_epoch_line(row: dict) -> str:
 
 def sft_summary_lines(summary: dict, out) -> list[str]:
     s = summary["sft"]
-    what = f"{s['examples']} walkthroughs" if "from" not in s else f"the {s['won']} won of {s['trajectories']} rollouts"
+    expert = s.get("expert") == "handcoded"
+    what = (f"the {s['won']} won of {s['trajectories']} rollouts" if "from" in s
+            else f"the hand-coded expert's play of {s['examples']} games" if expert else f"{s['examples']} walkthroughs")
     if s.get("skipped") and "from" not in s:
-        what += f" ({s['skipped']} of {s['games']} skipped: no winning walkthrough)"
+        why = "the expert did not win them" if expert else "no winning walkthrough"
+        what += f" ({s['skipped']} of {s['games']} skipped: {why})"
     weights = f"LoRA r{summary['lora']['r']}" if summary["lora"]["r"] else "every weight (full fine-tuning)"
     return [f"wrote {out}: {weights} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "
