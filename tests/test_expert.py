@@ -16,7 +16,7 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.env import AlfworldEnv
-from agentrl.env.expert import ExpertCache, expert_games, play_handcoded, task_params
+from agentrl.env.expert import expert_games, play_handcoded, task_params
 from agentrl.env.pool import EnvPool, LocalEnvs
 from agentrl.env.replay import ReplayCache, replay_game, replay_key
 
@@ -58,7 +58,7 @@ def test_the_expert_wins_with_admissible_commands_and_its_play_is_its_replay(gam
 
 def test_expert_games_cache_the_play_prime_the_replay_and_skip_what_the_expert_cannot_win(tmp_path, games):
     chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
-    cache, replays = ExpertCache(tmp_path / "expert"), ReplayCache(tmp_path / "replay")
+    cache, replays = ReplayCache(tmp_path / "expert"), ReplayCache(tmp_path / "replay")
     taught, skipped = expert_games(chosen, LocalEnvs(AlfworldEnv), cache, replays, 50, 0, THRESHOLD)
     assert [g.game_id for g in taught] == [g.game_id for g in chosen] and not skipped
     for g, t in zip(chosen, taught):

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import random
 import re
 from pathlib import Path
 
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
-from agentrl.env.replay import Replay, ReplayCache, engine_versions, replay_key
+from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, replay_key
 
-EXPERTS = ("walkthrough", "handcoded")
 EXPERT_VERSION = 1  # bump when how the expert is played changes (a new key for every game)
 EXPERT_DIRNAME = "expert"  # under the cache root, beside replay/ and sft-data/
 # A task directory is <task_type>-<Object>-<MovableReceptacle>-<Receptacle or Toggle>-<scene>: what
@@ -93,51 +91,23 @@ def play_handcoded(game: Game, max_steps: int, seed: int) -> Replay:
 
 def expert_key(game: Game, max_steps: int, seed: int) -> str | None:
     """The cache key of a game's expert record: its file's bytes, the expert, T_max, the seed, the engine."""
-    try:
-        data = Path(game.path).read_bytes()
-    except (OSError, TypeError):
-        return None
-    h = hashlib.sha256(json.dumps([EXPERT_VERSION, "handcoded", engine_versions(), max_steps, seed]).encode())
-    h.update(data)
-    return f"v{EXPERT_VERSION}-{h.hexdigest()[:32]}"
-
-
-class ExpertCache(ReplayCache):
-    """Expert records under `<cache>/expert/`, one JSON file per key (the replay cache's format)."""
+    return file_key(game, EXPERT_VERSION, ["handcoded", engine_versions(), max_steps, seed])
 
 
 def game_seed(game: Game, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed} {game.game_id}".encode()).digest()[:4], "little")
 
 
-def expert_games(games: list[Game], backend, cache: ExpertCache | None, replays: ReplayCache | None,
+def expert_games(games: list[Game], backend, cache: ReplayCache | None, replays: ReplayCache | None,
                  max_steps: int, seed: int, fuzzy_threshold: float, on_game=None) -> tuple[list[Game], list[tuple[str, str]]]:
     """The games with their walkthrough replaced by the hand-coded expert's commands, and the games
     skipped (the expert did not win within `max_steps`, or the engine failed), with why. Each
-    record comes from `cache` or is played on `backend`'s workers (op "expert") and cached; it is
-    also put in `replays` under the new walkthrough's replay key, so sft's replay reads it (it is
-    what replaying those commands gives: the engine is deterministic, tested)."""
-    todo, records = [], {}
-    for g in games:
-        key = expert_key(g, max_steps, seed) if cache is not None else None
-        found = cache.get(key) if key is not None else None
-        if isinstance(found, Replay):
-            records[g.game_id] = found
-        else:
-            todo.append((g, key))
-    if on_game is not None and records:
-        on_game(len(records))
-    per_request = max(1, getattr(backend, "workers", 1))
-    for start in range(0, len(todo), per_request):
-        chunk = todo[start:start + per_request]
-        pending = backend.submit("expert", [(i, (g, max_steps, game_seed(g, seed))) for i, (g, _) in enumerate(chunk)])
-        for (g, key), result in zip(chunk, backend.collect(pending)):
-            record = result if isinstance(result, Replay) else Replay(g.game_id, error=getattr(result, "message", str(result)))
-            records[g.game_id] = record
-            if cache is not None and key is not None:
-                cache.put(key, record)
-        if on_game is not None:
-            on_game(len(chunk))
+    record comes from `cache` (`<cache>/expert/`) or is played on `backend`'s workers (op
+    "expert") and cached; it is also put in `replays` under the new walkthrough's replay key, so
+    sft's replay reads it (it is what replaying those commands gives: the engine is deterministic,
+    tested)."""
+    records, _ = played(games, backend, cache, "expert", lambda g: expert_key(g, max_steps, seed),
+                        lambda g: (g, max_steps, game_seed(g, seed)), on_game)
     out, skipped = [], []
     for g in games:
         r = records[g.game_id]
@@ -147,9 +117,9 @@ def expert_games(games: list[Game], backend, cache: ExpertCache | None, replays:
         taught = dataclasses.replace(g, walkthrough=[s["command"] for s in r.steps])
         key = replay_key(taught, fuzzy_threshold) if replays is not None else None
         if key is not None and replays.get(key) is None:
-            replays.put(key, dataclasses.replace(r, game_id=g.game_id))
+            replays.put(key, r)
         out.append(taught)
     return out, skipped
 
 
-__all__ = ["EXPERTS", "ExpertCache", "expert_games", "play_handcoded", "task_params"]
+__all__ = ["expert_games", "play_handcoded", "task_params"]

@@ -134,17 +134,22 @@ def engine_versions() -> tuple[str, ...]:
     return tuple(out)
 
 
-def replay_key(game: Game, fuzzy_threshold: float) -> str | None:
-    """The cache key of a game's replay: its file's bytes, its walkthrough, the threshold, the
-    engine and REPLAY_VERSION. None: the game has no file (synthetic games, not worth caching)."""
+def file_key(game: Game, version: int, parts: list) -> str | None:
+    """A cache key of what playing `game` gives: its file's bytes and `parts` (what else decides
+    the play), under `version`. None: the game has no file (synthetic games, not worth caching)."""
     try:
         data = Path(game.path).read_bytes()
-    except OSError:
+    except (OSError, TypeError):
         return None
-    h = hashlib.sha256(json.dumps([REPLAY_VERSION, engine_versions(), float(fuzzy_threshold),
-                                   list(game.walkthrough)]).encode())
+    h = hashlib.sha256(json.dumps([version, *parts]).encode())
     h.update(data)
-    return f"v{REPLAY_VERSION}-{h.hexdigest()[:32]}"
+    return f"v{version}-{h.hexdigest()[:32]}"
+
+
+def replay_key(game: Game, fuzzy_threshold: float) -> str | None:
+    """The cache key of a game's replay: its file's bytes, its walkthrough, the threshold, the
+    engine and REPLAY_VERSION."""
+    return file_key(game, REPLAY_VERSION, [engine_versions(), float(fuzzy_threshold), list(game.walkthrough)])
 
 
 def check_record(obj, key: str) -> Replay:
@@ -194,12 +199,21 @@ class ReplayCache:
 def replay_walkthroughs(games: list[Game], backend, cache: ReplayCache | None, fuzzy_threshold: float,
                         on_game: Callable[[int], None] | None = None) -> tuple[dict[str, Replay], ReplayStats]:
     """Every game's replay record by game id: from the cache, else replayed on `backend`'s workers
-    (an EnvPool, a RayEnvPool, or LocalEnvs: in this process) and cached. A window of requests,
-    one game each, stays in flight on every worker. `on_game(n)`: n more games are done."""
+    (an EnvPool, a RayEnvPool, or LocalEnvs: in this process) and cached. `on_game(n)`: n more
+    games are done."""
+    return played(games, backend, cache, "replay", lambda g: replay_key(g, fuzzy_threshold),
+                  lambda g: (g, fuzzy_threshold), on_game)
+
+
+def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_of, arg_of,
+           on_game: Callable[[int], None] | None = None) -> tuple[dict[str, Replay], ReplayStats]:
+    """Every game's record by game id: from the cache (under `key_of(game)`), else played on
+    `backend`'s workers by `op` (pool op "replay", or "expert": env/expert.py) with `arg_of(game)`
+    and cached. A window of requests, one game each, stays in flight on every worker."""
     t0 = time.perf_counter()
     stats, records, todo = ReplayStats(games=len(games)), {}, []
     for g in games:
-        key = replay_key(g, fuzzy_threshold) if cache is not None else None
+        key = key_of(g) if cache is not None else None
         found = cache.get(key) if key is not None else None
         if isinstance(found, Replay):
             found.game_id = g.game_id
@@ -214,7 +228,7 @@ def replay_walkthroughs(games: list[Game], backend, cache: ReplayCache | None, f
     window: list = []
     for start in range(0, len(todo), per_request):
         chunk = todo[start:start + per_request]
-        window.append((backend.submit("replay", [(i, (g, fuzzy_threshold)) for i, (g, _) in enumerate(chunk)]), chunk))
+        window.append((backend.submit(op, [(i, arg_of(g)) for i, (g, _) in enumerate(chunk)]), chunk))
         if len(window) >= IN_FLIGHT:
             _collect(backend, window.pop(0), records, cache, stats, on_game)
     while window:

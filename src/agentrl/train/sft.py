@@ -38,7 +38,7 @@ from agentrl import faults
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
 from agentrl.env.data import round_robin, spread
-from agentrl.env.expert import EXPERT_DIRNAME, ExpertCache, expert_games
+from agentrl.env.expert import EXPERT_DIRNAME, expert_games
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
 from agentrl.errors import UserError
@@ -487,7 +487,7 @@ def taught(cfg: Config, phase: str, games, envs, cache_dir: Path, replays: Repla
     if cfg.sft.expert == "walkthrough" or not games:
         return games, []
     hooks.phase(phase, len(games))
-    return expert_games(games, envs, ExpertCache(cache_dir.parent / EXPERT_DIRNAME), replays, cfg.sft.expert_max_steps,
+    return expert_games(games, envs, ReplayCache(cache_dir.parent / EXPERT_DIRNAME), replays, cfg.sft.expert_max_steps,
                         cfg.seed, cfg.env.fuzzy_threshold, on_game=lambda n: hooks.advance(n))
 
 
