@@ -253,3 +253,61 @@ def test_a_constrained_run_resumes_exactly(tmp_path, tiny_actor_dir):
     a = load_file(str(tmp_path / "straight" / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "checkpoints" / "it00002" / "adapter" / "adapter_model.safetensors"))
     assert all((a[k] == b[k]).all() for k in a)
+
+
+# ---------------------------------------------------------------- the loop guard (sampling.loop_guard)
+def test_the_loop_guard_takes_out_what_would_go_round_a_cycle_again(tiny_model, tokenizer, games):
+    """Constructed histories: a command that would make the last p commands equal the p before them
+    (p <= the guard) leaves the step's choice; where every command would, the choice is left whole;
+    the guard needs the admissible action space."""
+    from agentrl.errors import UserError
+    from agentrl.rollout.lockstep import ModelPolicy
+    from agentrl.rollout.trajectory import Step, Trajectory, repeats_a_cycle
+
+    assert repeats_a_cycle(["a"], "a", 1) and not repeats_a_cycle(["a"], "b", 1)
+    assert repeats_a_cycle(["a", "b", "a"], "b", 2) and not repeats_a_cycle(["a", "b", "a"], "b", 1)
+    assert repeats_a_cycle(["a", "b", "c", "a", "b"], "c", 3) and not repeats_a_cycle(["a", "b", "c", "a", "b"], "c", 2)
+    assert not repeats_a_cycle([], "a", 6)
+
+    def traj(history, admissible):
+        steps = [Step(f"Action: {c}", c, c, "", False, False) for c in history]
+        return Trajectory(games["pick_and_place_simple"], steps=steps, admissible=admissible)
+
+    def policy(guard):
+        return ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 24), reply="action",
+                           action_space="admissible", loop_guard=guard)
+
+    assert policy(2).commands(traj(["a", "b", "a"], ["a", "b", "c"])) == ["c"]
+    assert policy(1).commands(traj(["a", "b", "a"], ["a", "b", "c"])) == ["b", "c"]
+    assert policy(0).commands(traj(["a", "b", "a"], ["a", "b", "c"])) == ["a", "b", "c"]
+    assert policy(2).commands(traj(["a", "b", "a"], ["a", "b"])) == ["a", "b"]  # every one would: all stay
+    with pytest.raises(UserError, match="loop_guard needs sampling.action_space admissible"):
+        ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(1.0, 1.0, 24), reply="action", loop_guard=1)
+
+
+def test_a_guarded_rollout_never_repeats_and_stays_exact(tiny_model, tokenizer, games):
+    """A real rollout under `loop_guard` 1 on a real game (every sample): no step's command is the
+    previous one while another was admissible, the steps it narrowed are recorded (and survive the
+    record), and the learner's teacher-forced log-probs still equal the sampler's (fp32, 1e-5)."""
+    import copy
+
+    from agentrl.config import LearnerConfig
+    from agentrl.rollout.lockstep import ModelPolicy, run_lockstep
+    from agentrl.rollout.trajectory import Trajectory, behaviour_metrics
+    from agentrl.train.learner import LocalLearner
+
+    policy = ModelPolicy(HFSampler(tiny_model, tokenizer), SamplingParams(0.0, 1.0, 24), seed=1, reply="action",
+                         action_space="admissible", loop_guard=1)
+    trajs = run_lockstep([games["pick_and_place_simple"]], policy, max_steps=6, group_size=2).trajectories
+    for t in trajs:
+        commands = [s.command for s in t.steps]
+        assert all(c is not None for c in commands)
+        assert all(b != a for a, b in zip(commands, commands[1:]))
+        assert set(t.guarded_steps) <= set(range(1, len(t.steps)))
+        assert Trajectory.from_json(t.to_json()).guarded_steps == t.guarded_steps
+    metrics = behaviour_metrics(trajs)
+    assert metrics["guarded_rate"] == pytest.approx(sum(map(len, (t.guarded_steps for t in trajs))) / sum(len(t.steps) for t in trajs), abs=1e-4)
+    learner = LocalLearner(copy.deepcopy(tiny_model), LearnerConfig(lora_r=4))
+    for t, logp in zip(trajs, learner._logprobs([(t, 1.0) for t in trajs])):
+        mask = torch.tensor(t.action_mask, dtype=torch.bool)
+        assert torch.allclose(logp[mask], torch.tensor(t.logprobs)[mask], atol=1e-5)

@@ -119,6 +119,11 @@ class SamplingConfig:
     # admissible commands>`, its log-probs renormalised over the allowed tokens; needs prompt.reply
     # action and the hf sampler: docs/training.md#admissible-actions)
     action_space: str = "free"
+    # admissible only: the longest cycle of commands a reply may not go round a second time in a row
+    # (its commands are taken out of the step's constraint; 1: never the previous command again);
+    # 0 = off. Half the games make train's warm starts lose end in such a loop
+    # (docs/training.md#the-loop-guard-samplingloop_guard)
+    loop_guard: int = 0
 
 
 @dataclass
@@ -461,6 +466,10 @@ def _check_sampling(c: Config) -> Checks:
         (s.attention_backend in ATTENTION_BACKENDS,
          f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
         (s.action_space in ACTION_SPACES, f"sampling.action_space must be free or admissible, got {s.action_space!r}"),
+        (isinstance(s.loop_guard, int) and not isinstance(s.loop_guard, bool) and s.loop_guard >= 0,
+         f"sampling.loop_guard must be a cycle length >= 0 (0: off), got {s.loop_guard!r}"),
+        (not s.loop_guard or s.action_space == "admissible",
+         "sampling.loop_guard needs sampling.action_space admissible (it narrows the step's admissible commands)"),
         (s.action_space != "admissible" or s.backend == "hf",
          "sampling.action_space admissible needs the hf sampler: agentrl does not constrain vLLM's decoding yet "
          "(docs/training.md#admissible-actions)"),

@@ -118,6 +118,8 @@ def print_summary(s: dict) -> None:
     console.print(t)
     if s["overall"].get("looped_rate"):  # a line of its own: one more column truncates the table at 80
         console.print(f"looped: {pct(s['overall']['looped_rate'])} of the episodes ran out of steps going round a cycle")
+    if s["overall"].get("guarded_rate"):
+        console.print(f"loop guard: narrowed the choice at {pct(s['overall']['guarded_rate'])} of the steps")
     tm = s["timing"]
     console.print(
         f"wall {tm['wall_s']:.1f}s (generate {tm['generate_s']:.1f}s, env {tm['env_s']:.1f}s) · "
@@ -288,13 +290,15 @@ def pct(v) -> str:
 
 
 def behaviour(row: dict) -> str:
-    """valid-action rate, reply length, episode length and looped share of a metrics row."""
+    """valid-action rate, reply length, episode length, looped share and the loop guard's share of
+    steps (where it acted) of a metrics row."""
     rate = row.get("valid_action_rate")
     cut = row.get("replies_cut_rate")
     return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok"
             f"{'' if not cut else f' ({100 * cut:.0f}% cut at max_new_tokens)'}  "
             f"episode {num(row.get('mean_episode_steps'), '.1f')} steps"
-            + ("" if row.get("looped_rate") is None else f"  looped {pct(row['looped_rate'])}"))
+            + ("" if row.get("looped_rate") is None else f"  looped {pct(row['looped_rate'])}")
+            + ("" if not row.get("guarded_rate") else f"  guarded {pct(row['guarded_rate'])}"))
 
 
 def sft_epoch_line(row: dict) -> str:

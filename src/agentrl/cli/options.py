@@ -60,6 +60,10 @@ ActionSpaceOpt = opt(OptStr, "sampling.action_space",
                      "What a reply may be: free (text; its Action: line fuzzy-matched to an admissible command) | "
                      "admissible (constrained decoding: exactly one of the step's admissible commands; needs prompt.reply action).",
                      "--action-space")
+LoopGuardOpt = opt(OptInt, "sampling.loop_guard",
+                   "With --action-space admissible: a reply may not go round a cycle of up to N commands a second time "
+                   "in a row (those commands leave the step's choice; 1: never the previous command again). 0: off.",
+                   "--loop-guard")
 EnvWorkersOpt = opt(OptStr, "env.workers", "Env worker processes: auto (one per core, the default) | N | 0 (envs in the main process).",
                     callback=_workers_value)
 RayAddressOpt = opt(OptStr, "cluster.ray_address",

@@ -9,7 +9,7 @@ import typer
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
                                  progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
-from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoraROpt,
+from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, LoopGuardOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoraROpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
@@ -34,6 +34,7 @@ def eval_cmd(
     max_new_tokens: MaxNewTokensOpt = None,
     sampler: SamplerOpt = None,
     action_space: ActionSpaceOpt = None,
+    loop_guard: LoopGuardOpt = None,
     seed: opt(OptInt, "seed", "Run seed.") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -94,6 +95,7 @@ def rollout_cmd(
     adapter: AdapterOpt = None,
     sampler: SamplerOpt = None,
     action_space: ActionSpaceOpt = None,
+    loop_guard: LoopGuardOpt = None,
     seed: opt(OptInt, "seed", "Run seed (same seed -> same first K steps in both arms).") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,
@@ -189,6 +191,7 @@ def train_cmd(
     model: ModelOpt = None,
     sampler: SamplerOpt = None,
     action_space: ActionSpaceOpt = None,
+    loop_guard: LoopGuardOpt = None,
     seed: opt(OptInt, "seed", "Run seed (tasks, sampling, LoRA init).") = None,
     data: DataOpt = None,
     config: ConfigOpt = None,

@@ -89,7 +89,8 @@ class EvalResult:
             "mean_steps": sum(len(t.steps) for t in ts) / n if n else 0.0,
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": len(all_ts) - n,
-            **{k: v for k, v in behaviour_metrics(ts).items() if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate", "looped_rate")},
+            **{k: v for k, v in behaviour_metrics(ts).items()
+               if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate", "looped_rate", "guarded_rate")},
         }
 
 
@@ -130,7 +131,8 @@ class Generator:
         if self._policy is None or self._policy[0] != (seed, greedy):
             s = self.cfg.sampling
             params = SamplingParams(0.0, 1.0, s.max_new_tokens) if greedy else SamplingParams(s.temperature, s.top_p, s.max_new_tokens)
-            self._policy = ((seed, greedy), ModelPolicy(self.sampler, params, seed=seed, **prompt_options(self.cfg)))
+            self._policy = ((seed, greedy), ModelPolicy(self.sampler, params, seed=seed, loop_guard=s.loop_guard,
+                                                      **prompt_options(self.cfg)))
         return self._policy[1]
 
     # ---------------------------------------------------------------- rollouts

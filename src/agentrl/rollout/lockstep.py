@@ -24,7 +24,7 @@ from agentrl.env.pool import EnvFailure, LocalEnvs
 from agentrl.errors import UserError
 from agentrl.prompt import ChatRenderer, episode_messages, reply_text, with_admissible
 from agentrl.rollout.signals import Trace, command_symbol, signals_at
-from agentrl.rollout.trajectory import GroupOutcome, Step, Trajectory, window
+from agentrl.rollout.trajectory import GroupOutcome, Step, Trajectory, repeats_a_cycle, step_commands, window
 from agentrl.sampling.base import GenRequest, Sampler, SamplingParams
 from agentrl.sampling.constraint import CommandSet
 
@@ -52,17 +52,25 @@ class ModelPolicy:
     `action_space` "admissible": each reply is constrained to `Action: <command><end of turn>` for one
     of the step's admissible commands (sampling/constraint.py), tokenised exactly as the warm start
     teaches it (prompt.reply_text, then the end-of-turn token); the trajectory keeps, per action
-    token, the ids it was drawn among (`Trajectory.allowed`), which is what the learner needs."""
+    token, the ids it was drawn among (`Trajectory.allowed`), which is what the learner needs.
+
+    `loop_guard` N > 0 (admissible only): a command that would go round a cycle of at most N
+    commands a second time in a row is taken out of the step's constraint (unless every command
+    would); the policy is the model's renormalised over what is left, and `allowed` records it, so
+    the learner's log-probs stay exact."""
 
     def __init__(self, sampler: Sampler, params: SamplingParams, seed: int = 0, prompt_dir: str | None = None,
                  messages: Callable[[str, str, str | None], list[dict]] = episode_messages, admissible: bool = False,
-                 history: int = 0, reply: str = "react", action_space: str = "free"):
+                 history: int = 0, reply: str = "react", action_space: str = "free", loop_guard: int = 0):
         self.sampler, self.params, self.seed, self.prompt_dir = sampler, params, seed, prompt_dir
         self.messages = messages  # (task_type, first observation, prompt_dir) -> chat messages
         self.admissible = admissible  # prompt.admissible: each observation lists the admissible commands
         self.history = history  # prompt.history: the task and the last N turns (0: the whole episode)
         self.renderer = ChatRenderer(sampler.tokenizer)
         self.constrained = action_space == "admissible"
+        self.loop_guard = loop_guard
+        if loop_guard and not self.constrained:
+            raise UserError("sampling.loop_guard needs sampling.action_space admissible (it narrows the admissible commands)")
         if self.constrained and reply != "action":
             raise UserError("sampling.action_space admissible needs prompt.reply action (replies `Action: <command>`); "
                             f"this run's replies are {reply!r}")
@@ -72,12 +80,19 @@ class ModelPolicy:
         self._command_ids: dict[str, tuple[int, ...]] = {}
         self._stopped: dict[int, bool] = {}
 
-    def constraint(self, traj: Trajectory) -> CommandSet | None:
-        """The commands the next reply may be (admissible actions), None for free text or when the env
-        lists none."""
+    def constraint(self, commands: list[str]) -> CommandSet | None:
+        """The replies `commands` (`self.commands`) stand for, None for none (unconstrained)."""
+        return CommandSet.of({c: self._reply_ids(c) for c in commands}) if commands else None
+
+    def commands(self, traj: Trajectory) -> list[str]:
+        """The step's admissible commands the reply may be ([] unconstrained); with the loop guard,
+        those that would not go round a cycle again (all of them where every one would)."""
         if not self.constrained or not traj.admissible:
-            return None
-        return CommandSet.of({c: self._reply_ids(c) for c in traj.admissible})
+            return []
+        if not self.loop_guard:
+            return traj.admissible
+        history = step_commands(traj)
+        return [c for c in traj.admissible if not repeats_a_cycle(history, c, self.loop_guard)] or traj.admissible
 
     def _reply_ids(self, command: str) -> tuple[int, ...]:
         """The ids of the reply that is `command`: what the warm start teaches (sft's ExpertSampler)."""
@@ -92,7 +107,11 @@ class ModelPolicy:
         traj.append(self.renderer.initial(messages), generated=False)
 
     def act(self, trajs: list[Trajectory]) -> list[str]:
-        constraints = [self.constraint(t) for t in trajs]
+        commands = [self.commands(t) for t in trajs]
+        for t, cs in zip(trajs, commands):
+            if len(cs) < len(t.admissible) and cs:  # the loop guard narrowed this step's choice
+                t.guarded_steps.append(len(t.steps))
+        constraints = [self.constraint(cs) for cs in commands]
         requests = [GenRequest(self.context(t), seed=row_seed(self.seed, t.game.game_id, t.index, len(t.steps)),
                                key=(t.game.game_id, t.index), constraint=c) for t, c in zip(trajs, constraints)]
         completions = self.sampler.generate(requests, self.params)

@@ -56,6 +56,9 @@ class Trajectory:
     # admissible actions (sampling.action_space): per action token, the ids it was drawn among (its constraint
     # at that position; the learner renormalises over them); empty for free text
     allowed: list[list[int]] = field(default_factory=list)
+    # sampling.loop_guard: the steps (indices) whose choice the guard narrowed (commands that would go
+    # round a cycle again were taken out of the constraint)
+    guarded_steps: list[int] = field(default_factory=list)
     # won | lost | max_steps | context_full (the sampler's max_model_len) | gate_cut | pruned | env_error
     stop_reason: str | None = None  # None while running
     error: str | None = None
@@ -132,6 +135,8 @@ class Trajectory:
         out["adapter_versions"] = self.adapter_versions
         if self.allowed:
             out["allowed"] = self.allowed
+        if self.guarded_steps:
+            out["guarded_steps"] = self.guarded_steps
         return out
 
 
@@ -164,6 +169,19 @@ def looped(t: Trajectory) -> bool:
     return any(all(tail[i] == tail[i - p] for i in range(p, LOOP_WINDOW)) for p in range(1, LOOP_PERIOD + 1))
 
 
+def step_commands(t: Trajectory) -> list[str]:
+    """What each step did, as `looped` reads it: the admissible command, or an invalid reply's text."""
+    return [s.command if s.command is not None else s.response.strip() for s in t.steps]
+
+
+def repeats_a_cycle(history: list[str], command: str, max_period: int) -> bool:
+    """`command` would go round a cycle of at most `max_period` commands a second time in a row:
+    with it, the last p commands equal the p before them (p = 1: the previous command again). In a
+    deterministic world a cycle gone round again ends where it began, so it changes nothing."""
+    seq = history + [command]
+    return any(len(seq) >= 2 * p and seq[-p:] == seq[-2 * p:-p] for p in range(1, max_period + 1))
+
+
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success
@@ -179,6 +197,8 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
         "mean_reply_tokens": round(sum(replies) / len(replies), 2) if replies else None,
         "replies_cut_rate": round(sum(t.replies_cut for t in trajectories) / len(replies), 4) if replies else None,
         "looped_rate": round(sum(map(looped, trajectories)) / len(trajectories), 4) if trajectories else None,
+        # sampling.loop_guard: the share of steps whose choice it narrowed
+        "guarded_rate": round(sum(len(t.guarded_steps) for t in trajectories) / len(steps), 4) if steps else None,
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,
         "success_by_task_type": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_type.items())},
     }
