@@ -535,3 +535,23 @@ def test_an_unfinished_warm_start_of_another_recipe_is_refused_unless_discarded(
     assert unfinished(out).name == "step000001"  # refused: kept
     summary = run(resume=False)
     assert "resumed_at_steps" not in summary["sft"] and unfinished(out) is None and out.is_dir()
+
+
+def test_many_skipped_games_are_counted_in_one_line(caplog):
+    """Past the first ten, skipped games are not named one by one: one line counts them by reason."""
+    import logging
+
+    from agentrl.train.sft import SKIP_WARNINGS, warn_skipped
+
+    skipped = [(f"g{i}", "the expert did not win the game (ended max_steps after 50 steps)") for i in range(30)]
+    skipped += [(f"h{i}", "no walkthrough") for i in range(5)]
+    with caplog.at_level(logging.WARNING, logger="agentrl.train.sft"):
+        warn_skipped(skipped)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == SKIP_WARNINGS + 1
+    assert lines[-1] == ("35 games skipped in all (25 more than named above): "
+                         "30 the expert did not win the game; 5 no walkthrough")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agentrl.train.sft"):
+        warn_skipped(skipped[:3])
+    assert len(caplog.records) == 3

@@ -29,6 +29,7 @@ import math
 import random
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -452,6 +453,20 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     return summary
 
 
+SKIP_WARNINGS = 10  # games named one by one; past that, one line counts the rest by reason
+
+
+def warn_skipped(skipped: list[tuple[str, str]]) -> None:
+    """Name the first skipped games with their reasons, then count them all by reason in one line
+    (the hand-coded expert on every train game skips hundreds: a line each buries the run's log)."""
+    for game_id, why in skipped[:SKIP_WARNINGS]:
+        log.warning("walkthrough of %s skipped: %s", game_id, why)
+    if len(skipped) > SKIP_WARNINGS:
+        reasons = Counter(why.split(" (")[0] for _, why in skipped)
+        log.warning("%d games skipped in all (%d more than named above): %s", len(skipped), len(skipped) - SKIP_WARNINGS,
+                    "; ".join(f"{n} {why}" for why, n in reasons.most_common()))
+
+
 def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None, hooks: SftHooks) -> tuple[ExpertData, ExpertData]:
     """The expert data to learn from and the held-out one (the walkthroughs replayed, or the cache).
     The replay records live beside the dataset cache (`<cache>/replay/`, see env/replay.py)."""
@@ -467,8 +482,7 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
         envs.shutdown()
     data.skipped += not_taught
     held.skipped += held_not_taught
-    for game_id, why in data.skipped + held.skipped:
-        log.warning("walkthrough of %s skipped: %s", game_id, why)
+    warn_skipped(data.skipped + held.skipped)
     for name, d in (("train", data), ("held-out", held)):
         if d.replay is not None:
             r = d.replay
