@@ -215,3 +215,34 @@ def test_how_many_games_are_playable_is_said_where_a_user_looks(tmp_path, games)
     assert f"does not win: {short.game_id}" in played
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert summary["walkthroughs"] == {"won": 2, "unwinnable": [short.game_id], "longer_than_t_max": []}
+
+
+def test_games_lost_with_a_hung_worker_are_played_once_more(tmp_path, games, caplog):
+    """A worker that hangs (SIGSTOP) loses every game queued on it: those are played once more on
+    the fresh worker, not skipped (a warm start would otherwise train on fewer games for a
+    transient hang), said in one line, and cached like any other; the records equal the
+    in-process replay's. The pool's only change for the test: the fresh worker gets the usual
+    timeout back (a cold worker can take seconds to start)."""
+    import logging
+    import signal
+
+    class Pool(EnvPool):
+        def _replace(self, w):
+            super()._replace(w)
+            self.timeout_s = 120.0
+
+    chosen = chosen_games(games)[:2]
+    in_process, _ = replay_walkthroughs(chosen, LocalEnvs(AlfworldEnv), None, THRESHOLD)
+    with Pool(workers=1, timeout_s=120.0) as pool:
+        pool.reset_all([(0, chosen[0])])  # a warm worker
+        pool.release([0])
+        pool.timeout_s = 2.0
+        os.kill(pool.pids[0], signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING, logger="agentrl.env.replay"):
+            records, stats = replay_walkthroughs(chosen, pool, ReplayCache(tmp_path / "replay"), THRESHOLD)
+        assert pool.replaced == 1
+    assert stats.retried == 2 and stats.won == 2 and stats.failed == 0 and stats.replayed == 2
+    assert [asdict(r) for r in records.values()] == [asdict(r) for r in in_process.values()]
+    assert "2 games lost with an env worker that hung or died during replay: played once more" in caplog.text
+    _, again = replay_walkthroughs(chosen, LocalEnvs(AlfworldEnv), ReplayCache(tmp_path / "replay"), THRESHOLD)
+    assert again.hits == 2

@@ -26,9 +26,11 @@ from agentrl.env.replay import replay_game
 
 @dataclass
 class EnvFailure:
-    """An env that could not be reset or stepped (a bad game, or its worker died or hung)."""
+    """An env that could not be reset or stepped (a bad game, or its worker died or hung).
+    `worker_lost`: the worker, not the game, failed (a hang, a crash): the game may be played again."""
 
     message: str
+    worker_lost: bool = False
 
 
 @dataclass
@@ -100,7 +102,7 @@ def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: 
     (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers.
     A replay holds no env after its answer: its items are dealt round-robin, nothing is owned."""
     if op in ("replay", "expert"):
-        pending = Pending(op, [EnvFailure(f"{op} lost with its {what}")] * len(items))
+        pending = Pending(op, [EnvFailure(f"{op} lost with its {what}", worker_lost=True)] * len(items))
         for i in range(len(items)):
             pending.shares.setdefault(i % n_workers, []).append(i)
         return pending
@@ -243,7 +245,7 @@ class EnvPool(_Batches):
             why = f"did not answer within {self.timeout_s:g}s" if hung else f"died (exit code {proc.exitcode})"
             for pending in self._queue[w]:
                 for i in pending.shares[w]:
-                    pending.out[i] = EnvFailure(f"env worker {why} during {pending.op}")
+                    pending.out[i] = EnvFailure(f"env worker {why} during {pending.op}", worker_lost=True)
                 pending.waiting.discard(w)
             self._replace(w)
             return

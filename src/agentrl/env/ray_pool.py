@@ -81,7 +81,7 @@ class RayEnvPool(_Batches):
                 hung = isinstance(e, GetTimeoutError)
                 why = f"did not answer within {limit:g}s" if hung else "died"
                 for i in pending.shares[a]:
-                    pending.out[i] = EnvFailure(f"env actor {why} during {pending.op}")
+                    pending.out[i] = EnvFailure(f"env actor {why} during {pending.op}", worker_lost=True)
                 if self._generation[a] == generation:  # not replaced yet by an earlier request's failure
                     self._replace(a)
             else:

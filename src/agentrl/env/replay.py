@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import lzma
 import re
 import time
@@ -31,6 +32,8 @@ from agentrl.env.data import Game
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_text
 from agentrl.prompt import reply_text
+
+log = logging.getLogger(__name__)
 
 REPLAY_DIRNAME = "replay"  # under the cache root ($AGENTRL_CACHE, else ~/.cache/agentrl), beside sft-data/
 REPLAY_VERSION = 1  # bump when what a record holds, or how it is replayed, changes (a new key for every game)
@@ -59,6 +62,7 @@ class ReplayStats:
     unwinnable: int = 0  # the walkthrough ends without a win
     failed: int = 0  # the engine or its worker failed (not cached)
     corrupt: int = 0  # cache files that did not read back (replayed and rewritten)
+    retried: int = 0  # lost with a worker that hung or died, and played once more
     seconds: float = 0.0
 
 
@@ -224,15 +228,11 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
             todo.append((g, key))
     if on_game is not None and stats.hits:
         on_game(stats.hits)
-    per_request = max(1, getattr(backend, "workers", 1)) if todo else 1  # (asks a lazy pool to start)
-    window: list = []
-    for start in range(0, len(todo), per_request):
-        chunk = todo[start:start + per_request]
-        window.append((backend.submit(op, [(i, arg_of(g)) for i, (g, _) in enumerate(chunk)]), chunk))
-        if len(window) >= IN_FLIGHT:
-            _collect(backend, window.pop(0), records, cache, stats, on_game)
-    while window:
-        _collect(backend, window.pop(0), records, cache, stats, on_game)
+    lost = _fan_out(backend, op, arg_of, todo, records, cache, stats, on_game)
+    if lost:  # a worker hung or died under them: a transient loss, not the game's; once more on fresh workers
+        log.warning("%d games lost with an env worker that hung or died during %s: played once more", len(lost), op)
+        stats.retried = len(lost)
+        _fan_out(backend, op, arg_of, lost, records, cache, stats, on_game, retry=False)
     for r in records.values():
         stats.won += r.won and r.error is None
         stats.unwinnable += not r.won and r.error is None
@@ -241,16 +241,39 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
     return {g.game_id: records[g.game_id] for g in games}, stats
 
 
-def _collect(backend, request, records: dict, cache: ReplayCache | None, stats: ReplayStats, on_game) -> None:
+def _fan_out(backend, op: str, arg_of, todo: list, records: dict, cache: ReplayCache | None, stats: ReplayStats,
+             on_game, retry: bool = True) -> list:
+    """Play `todo` ((game, cache key) pairs) on the backend's workers, a window of requests in
+    flight; returns those lost with a worker (when `retry`: to be played again, not recorded)."""
+    per_request = max(1, getattr(backend, "workers", 1)) if todo else 1  # (asks a lazy pool to start)
+    window: list = []
+    lost: list = []
+    for start in range(0, len(todo), per_request):
+        chunk = todo[start:start + per_request]
+        window.append((backend.submit(op, [(i, arg_of(g)) for i, (g, _) in enumerate(chunk)]), chunk))
+        if len(window) >= IN_FLIGHT:
+            _collect(backend, window.pop(0), records, cache, stats, on_game, lost if retry else None)
+    while window:
+        _collect(backend, window.pop(0), records, cache, stats, on_game, lost if retry else None)
+    return lost
+
+
+def _collect(backend, request, records: dict, cache: ReplayCache | None, stats: ReplayStats, on_game,
+             lost: list | None) -> None:
     pending, chunk = request
+    done = 0
     for (g, key), result in zip(chunk, backend.collect(pending)):
+        if lost is not None and getattr(result, "worker_lost", False):
+            lost.append((g, key))
+            continue
         record = result if isinstance(result, Replay) else Replay(g.game_id, error=getattr(result, "message", str(result)))
         records[g.game_id] = record
         stats.replayed += 1
+        done += 1
         if cache is not None and key is not None:
             cache.put(key, record)
-    if on_game is not None:
-        on_game(len(chunk))
+    if on_game is not None and done:
+        on_game(done)
 
 
 # ---------------------------------------------------------------- carrying the cache
