@@ -9,7 +9,7 @@ import typer
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
                                  progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
-from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, LoopGuardOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoraROpt,
+from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoopGuardOpt, LoraROpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config

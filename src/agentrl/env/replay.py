@@ -228,11 +228,12 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
             todo.append((g, key))
     if on_game is not None and stats.hits:
         on_game(stats.hits)
-    lost = _fan_out(backend, op, arg_of, todo, records, cache, stats, on_game)
+    lost: list = []
+    _fan_out(backend, op, arg_of, todo, records, cache, stats, on_game, lost)
     if lost:  # a worker hung or died under them: a transient loss, not the game's; once more on fresh workers
         log.warning("%d games lost with an env worker that hung or died during %s: played once more", len(lost), op)
         stats.retried = len(lost)
-        _fan_out(backend, op, arg_of, lost, records, cache, stats, on_game, retry=False)
+        _fan_out(backend, op, arg_of, lost, records, cache, stats, on_game, None)
     for r in records.values():
         stats.won += r.won and r.error is None
         stats.unwinnable += not r.won and r.error is None
@@ -242,20 +243,18 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
 
 
 def _fan_out(backend, op: str, arg_of, todo: list, records: dict, cache: ReplayCache | None, stats: ReplayStats,
-             on_game, retry: bool = True) -> list:
+             on_game, lost: list | None) -> None:
     """Play `todo` ((game, cache key) pairs) on the backend's workers, a window of requests in
-    flight; returns those lost with a worker (when `retry`: to be played again, not recorded)."""
+    flight; with a `lost` list, the pairs lost with a worker go there instead of into `records`."""
     per_request = max(1, getattr(backend, "workers", 1)) if todo else 1  # (asks a lazy pool to start)
     window: list = []
-    lost: list = []
     for start in range(0, len(todo), per_request):
         chunk = todo[start:start + per_request]
         window.append((backend.submit(op, [(i, arg_of(g)) for i, (g, _) in enumerate(chunk)]), chunk))
         if len(window) >= IN_FLIGHT:
-            _collect(backend, window.pop(0), records, cache, stats, on_game, lost if retry else None)
+            _collect(backend, window.pop(0), records, cache, stats, on_game, lost)
     while window:
-        _collect(backend, window.pop(0), records, cache, stats, on_game, lost if retry else None)
-    return lost
+        _collect(backend, window.pop(0), records, cache, stats, on_game, lost)
 
 
 def _collect(backend, request, records: dict, cache: ReplayCache | None, stats: ReplayStats, on_game,

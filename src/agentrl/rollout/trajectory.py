@@ -165,12 +165,12 @@ def looped(t: Trajectory) -> bool:
     A greedy policy that returns to a state it saw repeats itself; this names that failure."""
     if t.stop_reason != "max_steps" or len(t.steps) < LOOP_WINDOW:
         return False
-    tail = [s.command if s.command is not None else s.response.strip() for s in t.steps[-LOOP_WINDOW:]]
+    tail = step_commands(t)[-LOOP_WINDOW:]
     return any(all(tail[i] == tail[i - p] for i in range(p, LOOP_WINDOW)) for p in range(1, LOOP_PERIOD + 1))
 
 
 def step_commands(t: Trajectory) -> list[str]:
-    """What each step did, as `looped` reads it: the admissible command, or an invalid reply's text."""
+    """What each step did: the admissible command, or an invalid reply's text (it changes nothing either)."""
     return [s.command if s.command is not None else s.response.strip() for s in t.steps]
 
 
