@@ -225,6 +225,26 @@ def test_sft_with_lora_r_0_writes_a_model_directory_that_eval_serves(full_warm_s
     assert len(result.trajectories) == 2 and all(t.adapter_versions == [0] for t in result.trajectories)
 
 
+def test_a_full_warm_starts_recipe_leaves_out_the_lora_settings_it_never_reads(full_warm_start, tiny_actor_dir,
+                                                                              data_root):
+    """Full fine-tuning records no LoRA α, dropout or target modules, so changing them keeps
+    `--reuse`; a record written with them (before they were left out) is still the same recipe,
+    and so is an unfinished warm start's checkpoint (`resumable` compares the same way)."""
+    from agentrl.train.sft import comparable, reusable
+
+    out, summary = full_warm_start
+    assert summary["recipe"]["lora"] == {"r": 0, "weight_decay": load_config().learner.weight_decay}
+    base = {"env.workers": 0, "learner.lora_r": 0, "sft.games": 2, "sft.heldout_games": 2, "sft.epochs": 2,
+            "sft.lr": 1e-3, "model.name": str(tiny_actor_dir), "data.root": str(data_root)}
+    assert reusable(load_config(None, base | {"learner.lora_alpha": 3, "learner.lora_dropout": 0.3}), out)
+    assert reusable(load_config(None, base | {"learner.weight_decay": 0.5}), out) is None  # that one it reads
+    old = json.loads((out / "agentrl.json").read_text())
+    old["recipe"]["lora"] |= {"alpha": 64, "dropout": 0.05, "target_modules": ["q_proj"]}  # as written before
+    assert comparable(old["recipe"]) == summary["recipe"]
+    lora = {**summary["recipe"], "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj"]}}
+    assert comparable(lora) == lora  # a LoRA recipe is compared whole
+
+
 def test_train_from_a_full_warm_start_resumes_exactly(tmp_path, full_warm_start, tiny_actor_dir, monkeypatch):
     """`agentrl train` with learner.lora_r 0 from the full warm start, with a KL penalty: 2 iterations
     straight equal 1 + resume to 2 (losses, norms, rewards, tokens, the weights to the bit); the

@@ -295,7 +295,7 @@ def sft_cmd(
     resolve_model(cfg.model.name)
     if not sources:
         sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
-    labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training",
+    labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training, optimizer steps",
               "expert": "playing the hand-coded expert", "heldout expert": "playing the hand-coded expert, held-out games"}
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")

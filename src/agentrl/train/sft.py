@@ -275,14 +275,30 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
             "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
                        **({"admissible": True} if cfg.prompt.admissible else {}),
                        **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
-            "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
-                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
+            "lora": comparable_lora({"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
+                                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay}),
             "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE},
             # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
             **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
                if cfg.sft.expert != "walkthrough" else {}),
             "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {})}
+
+
+LORA_ONLY = ("alpha", "dropout", "target_modules")  # what full fine-tuning (r 0) does not use
+
+
+def comparable_lora(lora: dict) -> dict:
+    """A recipe's `lora` part as it decides the warm start: under full fine-tuning (r 0) without
+    the LoRA-only settings, which it never reads (records written before this dropped them keep
+    them: `reusable` and `resumable` compare through `comparable`)."""
+    return {k: v for k, v in lora.items() if k not in LORA_ONLY} if lora.get("r") == 0 else lora
+
+
+def comparable(recipe_: dict | None) -> dict | None:
+    if not isinstance(recipe_, dict) or not isinstance(recipe_.get("lora"), dict):
+        return recipe_
+    return {**recipe_, "lora": comparable_lora(recipe_["lora"])}
 
 
 def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict | None:
@@ -297,7 +313,7 @@ def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict 
         done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     else:  # full fine-tuning's model directory
         done = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    return record if done and record.get("recipe") == recipe(sft_prompt(cfg), source_digests(sources)) else None
+    return record if done and comparable(record.get("recipe")) == recipe(sft_prompt(cfg), source_digests(sources)) else None
 
 
 def source_digests(sources: list[Path] | None) -> list[dict] | None:
@@ -353,7 +369,7 @@ def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[P
     if found is None:
         return None
     state = checkpoint.read_state(found, SftState)
-    differs = _first_difference(state.recipe, recipe(sft_prompt(cfg), source_digests(sources)))
+    differs = _first_difference(comparable(state.recipe), recipe(sft_prompt(cfg), source_digests(sources)))
     if resume and differs is None:
         return found
     if differs is not None and not force and resume:
@@ -578,10 +594,10 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
         for epoch, steps in enumerate(epoch_steps, start=1):
             if epoch < first_epoch:
                 continue
-            hooks.phase("train", len(orders[epoch - 1]))
+            hooks.phase("train", len(steps))  # optimizer steps: what checkpoints and `continuing ... at step` count
             skip = done_steps if epoch == first_epoch else 0
             if skip:
-                hooks.advance(sum(len(pending) for pending in steps[:skip]))
+                hooks.advance(skip)
             else:
                 epoch_sum, epoch_n = 0.0, 0
             for i, pending in enumerate(steps[skip:], start=skip + 1):
@@ -594,7 +610,7 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
                     epoch_sum += nll_sum
                 scheduler.step()
                 epoch_n += n_tokens
-                hooks.advance(len(pending), nll=epoch_sum / max(epoch_n, 1))
+                hooks.advance(1, nll=epoch_sum / max(epoch_n, 1))
                 if every is not None and step < total_steps and time.perf_counter() - last_kept >= every:
                     keep(step=step, total_steps=total_steps, epoch=epoch, epoch_step=i, epoch_sum=epoch_sum,
                          epoch_n=epoch_n, rows=rows, scheduler=scheduler.state_dict(),
