@@ -311,6 +311,38 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
     assert len(buf.getvalue().splitlines()) == printed
 
 
+def test_the_time_left_is_the_phases_own_pace_from_its_first_update(monkeypatch):
+    """A 4-hour warm start prints how long it has left: at the pace since the phase's first
+    update, so a resumed run's jump to the step it continues from (300 of 700 at once) is not
+    read as speed; nothing without a total or before the pace is known."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import TextColumn
+
+    import agentrl.cli.display as display
+
+    clock = [1000.0]
+    monkeypatch.setattr(display.time, "monotonic", lambda: clock[0])
+    buf = io.StringIO()
+    bar = display.LineProgress(TextColumn("{task.description}"), console=Console(file=buf, force_terminal=False))
+    bar.every_s = 0.0  # a line at every update
+    task = bar.add_task("replay", total=None, info="")
+    display.start_phase(bar, task, "training", 700)
+    t = bar.tasks[0]
+    bar.update(task, advance=300)  # the resumed run's skip: the pace starts here
+    assert display.remaining_s(t) is None
+    clock[0] += 40.0
+    bar.update(task, advance=2)  # 2 steps in 40 s: 398 left at 20 s each
+    assert display.remaining_s(t) == pytest.approx(398 * 20.0)
+    assert buf.getvalue().splitlines()[-1].endswith("~02:12:40 left")
+    display.start_phase(bar, task, "update")  # no total: no time left
+    clock[0] += 5.0
+    bar.update(task, advance=1)
+    assert display.remaining_s(t) is None and buf.getvalue().splitlines()[-1].endswith("elapsed")
+    assert display.hms(3 * 86400) == "72 h"
+
+
 @pytest.mark.parametrize(
     "args, pattern",
     [

@@ -7,7 +7,8 @@ import time
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 from rich.table import Table
 
 from agentrl.analysis.summary import signal_choice
@@ -53,6 +54,7 @@ class LineProgress(Progress):
             self._line(self._tasks[task_id])
 
     def _line(self, task) -> None:
+        left = remaining_s(task)  # every call: it keeps the phase's pace from its first update
         now = time.monotonic()
         last = getattr(task, "_agentrl_printed", None)
         if last is None:
@@ -61,7 +63,8 @@ class LineProgress(Progress):
             task._agentrl_printed = now
             done = f"{task.completed:.0f}/{task.total:.0f}" if task.total is not None else ""  # no count where none is kept
             parts = (task.description, done, task.fields.get("info", ""),
-                     f"{time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed")
+                     f"{time.strftime('%H:%M:%S', time.gmtime(task.elapsed or 0))} elapsed",
+                     f"~{hms(left)} left" if left is not None else "")
             self.console.print("  ".join(x for x in parts if x), markup=False, highlight=False)
 
 
@@ -72,14 +75,42 @@ def start_phase(bar: Progress, task, description: str, total: float | None = Non
     for t in bar.tasks:
         if t.id == task:
             t.total = total
+            t._agentrl_pace = None  # the next update starts the phase's pace (remaining_s)
+
+
+def remaining_s(task) -> float | None:
+    """Seconds the phase has left at its pace since its first update, None before a second one or
+    without a total. Its first update is the pace's start, so a resumed warm start's jump to the
+    step it continues from is not counted as speed."""
+    now = time.monotonic()
+    pace = getattr(task, "_agentrl_pace", None)
+    if pace is None:
+        task._agentrl_pace = (task.completed, now)
+        return None
+    done, seconds = task.completed - pace[0], now - pace[1]
+    if task.total is None or done <= 0 or seconds <= 0:
+        return None
+    return max(0.0, task.total - task.completed) * seconds / done
+
+
+def hms(seconds: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
+
+
+class RemainingColumn(ProgressColumn):
+    """`~H:MM:SS left` at the phase's own pace (remaining_s); nothing until it has one."""
+
+    def render(self, task) -> Text:
+        left = remaining_s(task)
+        return Text(f"~{hms(left)} left" if left is not None else "", style="progress.remaining")
 
 
 def progress_bar() -> Progress:
-    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed (plain lines
-    every minute when stderr is not a terminal)."""
+    """Step bars on stderr: description, bar, step n/T, live/won/cut info, elapsed, time left at
+    the phase's pace (plain lines every minute when stderr is not a terminal)."""
     cls = Progress if err.is_terminal else LineProgress
     return cls(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err)
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn(), RemainingColumn(), console=err)
 
 
 def table(title: str, columns, left=()) -> Table:
