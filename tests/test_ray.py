@@ -161,7 +161,8 @@ def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray,
     """Each row carries its own seed, so splitting a step's batch over two replicas (a task stays on
     one) changes nothing: same tokens, same log-probs (to float precision), same actions. The
     reference runs with one torch thread, as each replica actor does (Ray gives it one CPU). Then
-    a hot-swap reaches both replicas and both report (and serve) the new version."""
+    a hot-swap reaches both replicas and both report (and serve) the new version; closing deletes
+    each replica's copy of the adapter."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -183,6 +184,12 @@ def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray,
                            fuzzy_threshold=0, group_size=3, make_env=_synthetic)
     finally:
         torch.set_num_threads(threads)
+    import tempfile
+
+    def copies() -> set:  # the local replicas' temp folder is this process's
+        return set(Path(tempfile.gettempdir()).glob("agentrl-adapter-v3-*"))
+
+    before = copies()
     replicated = ReplicatedSampler(load_config(None, base | {"sampling.replicas": 2}))
     try:
         assert len({pid for _, pid in replicated.placement}) == 2
@@ -196,8 +203,10 @@ def test_two_sampler_replicas_give_the_trajectories_one_sampler_gives(local_ray,
         assert replicated.served_versions() == [3, 3] and replicated.adapter_version == 3
         again = rows([one.trajectories[0].token_ids[:20]] * 2, seeds=[1, 2], keys=[("a", 0), ("b", 0)])
         assert {c.adapter_version for c in replicated.generate(again, params)} == {3}
+        assert len(copies() - before) == 2  # each replica serves its own copy
     finally:
         replicated.close()
+    assert copies() - before == set()  # and deletes it when closed
     assert [(t.token_ids, t.stop_reason) for t in two.trajectories] == [(t.token_ids, t.stop_reason) for t in one.trajectories]
     for a, b in zip(two.trajectories, one.trajectories):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

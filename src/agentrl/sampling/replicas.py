@@ -10,6 +10,7 @@ to its own disk, loads them and reports the version it now serves, which must be
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 
@@ -18,6 +19,8 @@ from agentrl.errors import RunError, UserError
 from agentrl.io import read_tree, write_tree
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams
 from agentrl.weights import WeightsRef
+
+log = logging.getLogger(__name__)
 
 
 class SamplerReplica:
@@ -38,7 +41,11 @@ class SamplerReplica:
     def load(self, files: dict[str, bytes], weights: WeightsRef) -> int | None:
         """Write the adapter's bytes to this node's disk and serve them as `weights.version`."""
         path = write_tree(files, tempfile.mkdtemp(prefix=f"agentrl-adapter-v{weights.version}-"))
-        self.sampler.load(WeightsRef(str(path), weights.version, weights.kind))
+        try:
+            self.sampler.load(WeightsRef(str(path), weights.version, weights.kind))
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # a failed load changes nothing, on disk either
+            raise
         if self.adapter_dir:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
         self.adapter_dir = str(path)
@@ -52,6 +59,14 @@ class SamplerReplica:
 
     def release(self, keys) -> None:
         self.sampler.release(keys)
+
+    def close(self) -> None:
+        """The copy of the adapter this node serves goes with the replica (a full-weights version is
+        ~0.5 GB of the node's temp disk)."""
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+            self.adapter_dir = None
+        self.sampler.close()
 
     def describe(self) -> dict:
         import os
@@ -155,9 +170,15 @@ class ReplicatedSampler:
         self._get([self.replicas[r].release.remote(ks) for r, ks in share.items()], "release")
 
     def close(self) -> None:
-        """Kill the replica actors (they hold their GPUs until then)."""
+        """Kill the replica actors (they hold their GPUs until then), each first deleting its copy of
+        the adapter (a replica that does not answer in 30 s, or is gone, is killed as it is)."""
         import ray
 
+        try:
+            ray.get([r.close.remote() for r in self.replicas], timeout=30)
+        except Exception as e:  # a dead or hung replica: nothing more to do for it
+            log.warning("a sampler replica did not close cleanly (%s); its adapter copy may stay in its temp folder",
+                        str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         for r in self.replicas:
             ray.kill(r, no_restart=True)
         self.replicas = []
