@@ -179,6 +179,9 @@ class CommandChooser:
             self._check(r, commands, raw)
         pick = chosen[self.choose]
         self.score_s += time.perf_counter() - t0
+        if self.steps % 200 == 0:  # a long run says it is alive
+            print(f"{self.steps} steps scored, {self.score_s:.0f} s; token=raw so far "
+                  f"{100 * self.agree['token=raw'] / self.steps:.1f}%", flush=True)
         return commands[pick], per_token[pick]
 
     def _check(self, r, commands, raw) -> None:
