@@ -271,34 +271,31 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
     from dataclasses import asdict
 
     lc = cfg.learner
-    return {"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
+    return comparable({"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
             "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
                        **({"admissible": True} if cfg.prompt.admissible else {}),
                        **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
-            "lora": comparable_lora({"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
-                                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay}),
+            "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
+                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
             "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE},
             # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
             **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
                if cfg.sft.expert != "walkthrough" else {}),
             "dataset_version": DATASET_VERSION,
-            **({"from": [d["sha256"] for d in sources]} if sources else {})}
+            **({"from": [d["sha256"] for d in sources]} if sources else {})})
 
 
 LORA_ONLY = ("alpha", "dropout", "target_modules")  # what full fine-tuning (r 0) does not use
 
 
-def comparable_lora(lora: dict) -> dict:
-    """A recipe's `lora` part as it decides the warm start: under full fine-tuning (r 0) without
-    the LoRA-only settings, which it never reads (records written before this dropped them keep
-    them: `reusable` and `resumable` compare through `comparable`)."""
-    return {k: v for k, v in lora.items() if k not in LORA_ONLY} if lora.get("r") == 0 else lora
-
-
 def comparable(recipe_: dict | None) -> dict | None:
-    if not isinstance(recipe_, dict) or not isinstance(recipe_.get("lora"), dict):
+    """A recipe as it decides the warm start: under full fine-tuning (LoRA r 0) without the
+    LoRA-only settings it never reads. Records written before they were dropped keep them, so
+    `reusable` and `resumable` compare through this."""
+    lora = recipe_.get("lora") if isinstance(recipe_, dict) else None
+    if not isinstance(lora, dict) or lora.get("r") != 0:
         return recipe_
-    return {**recipe_, "lora": comparable_lora(recipe_["lora"])}
+    return {**recipe_, "lora": {k: v for k, v in lora.items() if k not in LORA_ONLY}}
 
 
 def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict | None:
