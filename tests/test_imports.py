@@ -69,3 +69,19 @@ def test_the_learner_layouts_do_not_import_each_other():
     assert "agentrl.train.remote" not in imports("ray_learner")
     assert "agentrl.train.handoff" in imports("ray_learner") and "agentrl.train.handoff" in imports("remote")
     assert package_graph()["stats"] <= {"errors"}  # the statistics sit at the bottom
+
+
+def test_bad_input_is_answered_before_torch_loads():
+    """`--help` and a config that fails its own checks never import torch, transformers or peft
+    (about 5 s on a 2-core machine): the one-line error comes at once."""
+    import subprocess
+    import sys
+
+    for argv in (["--help"], ["train", "--lr", "-1"], ["sft", "--out", "x", "--epochs", "0"], ["eval", "--split", "test"],
+                 ["rollout", "--gate", "12,0.1", "--max-steps", "10"]):
+        code = (f"import sys; sys.argv = ['agentrl'] + {argv!r}\nfrom agentrl.cli import main\ncode = 0\n"
+                "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+                "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"
+                "assert not heavy, heavy\nsys.exit(code)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == (0 if argv == ["--help"] else 2), (argv, proc.stderr)

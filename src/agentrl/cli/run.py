@@ -13,9 +13,7 @@ from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
 from agentrl.config import SPLITS, load_config
-from agentrl.env import open_envs
 from agentrl.errors import RunError, UserError
-from agentrl.evaluate import prepare_eval, run_eval, summary
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.models import resolve_model
 
@@ -48,6 +46,8 @@ def eval_cmd(
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
     cfg = load_config(config, overrides(eval_cmd, locals()))
+    from agentrl.evaluate import prepare_eval, run_eval, summary  # torch: after the config's checks (bad input answers at once)
+
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.t_max("eval")
     with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
@@ -102,8 +102,6 @@ def rollout_cmd(
     out: opt(Optional[Path], None, "Output directory (default runs/rollout-<time>).") = None,
 ) -> None:
     """Roll out B tasks x G trajectories in lockstep with the gate; write trajectories.jsonl and groups.csv."""
-    from agentrl.collect import prepare_rollout, run_rollout, tier1_markdown  # scipy and torch: not for --help
-
     cfg = load_config(config, overrides(rollout_cmd, locals()))
     the_gate = cfg.rollout.parsed_gate()
     if (tier1_ab or tier1_baseline) and the_gate is None:
@@ -114,6 +112,8 @@ def rollout_cmd(
         from agentrl.collect import read_rollout_summary
 
         read_rollout_summary(tier1_baseline)  # refused before the model loads
+    from agentrl.collect import prepare_rollout, run_rollout, tier1_markdown  # scipy and torch: after the checks above
+
     out = out or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     t_max = cfg.t_max("rollout")
     with err.status("loading model"):
@@ -216,7 +216,7 @@ def train_cmd(
     """GRPO on ALFWorld with the gate (Tier 3): rollout, advantages, update, hot-swap, held-out eval.
 
     With --off-policy BUFFER: Tier 2, updates on a frozen buffer (--ab: baseline vs gated arm)."""
-    from agentrl.train import loop, prerun  # torch: not for --help or the light commands
+    from agentrl.train import prerun  # loads torch only after the config's own checks
 
     given = overrides(train_cmd, locals())
     if off_policy is not None:
@@ -225,6 +225,8 @@ def train_cmd(
     run, cfg = prerun.run_config(out, resume, force, config, given)
     console.print(run_line(run, cfg))
     tasks = prerun.check_run(cfg)
+    from agentrl.train import loop  # torch
+
     with progress_bar() as bar:
         task = bar.add_task("loading models and games", total=None, info="")
         hooks = loop.Hooks(phase=lambda name, total=None: start_phase(bar, task, name, total),
@@ -283,9 +285,9 @@ def sft_cmd(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
-    from agentrl.train import sft  # torch: not for --help or the light commands
-
     cfg = load_config(config, overrides(sft_cmd, locals()))
+    from agentrl.train import sft  # torch: after the config's checks (bad input answers at once)
+
     sources = [sft.rollout_file(p) for p in from_ or []]  # a missing file: one line, before anything loads
     if reuse and (record := sft.reusable(cfg, out, sources)):
         console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "

@@ -22,7 +22,6 @@ from agentrl.env.data import resolve_data_root, round_robin, scan_split, split_d
 from agentrl.env.replay import (REPLAY_DIRNAME, Replay, ReplayCache, export_replays, import_replays, replay_key,
                                 replay_walkthroughs)
 from agentrl.errors import UserError
-from agentrl.gpucheck import run_gpu_check
 from agentrl.models import cache_root, prepare_default_model, resolve_model
 from agentrl.report import build_report, default_out, tables
 
@@ -96,6 +95,8 @@ def doctor_cmd(
         print_checks(run_checks(data))
         return
     import torch  # not for --help, nor for doctor without --gpu
+
+    from agentrl.gpucheck import run_gpu_check
 
     if not torch.cuda.is_available() and not allow_cpu:
         console.print("no CUDA device here: the GPU check skips itself (run `agentrl doctor --gpu` on a GPU machine)")

@@ -7,18 +7,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentrl import cluster
 from agentrl.config import Config, load_config
 from agentrl.errors import UserError
 from agentrl.models import check_full_weights, check_lora_adapter, resolve_model
-from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.replicas import check_replicas
 from agentrl.specs import GateSpec
-from agentrl.train.loop import TaskSampler, prepare_run
-from agentrl.train.learner import refuse_full_init
-from agentrl.train.memory import check_learner_fits
 from agentrl.weights import weights_kind
+
+if TYPE_CHECKING:
+    from agentrl.train.loop import TaskSampler
+
+# The checks that need torch (the loop, the learner, the memory plans) are imported where they
+# run, after the config's own: bad input to `agentrl train` answers in a second, not after ~5 s of imports.
 
 # What --resume may change: the iteration count, where things run and memory settings; none of
 # them changes a gradient, so the continued run is the run it was.
@@ -34,12 +37,17 @@ def run_config(out: Path | None, resume: Path | None, force: bool, config: Path 
     settings of MAY_CHANGE_ON_RESUME may be given."""
     if resume is None:
         run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
-        return run, prepare_run(run, check_kl_reference(load_config(config, overrides)), resume=False, force=force)
+        cfg = check_kl_reference(load_config(config, overrides))
+        from agentrl.train.loop import prepare_run
+
+        return run, prepare_run(run, cfg, resume=False, force=force)
     changed = [k for k, v in overrides.items() if v is not None and k not in MAY_CHANGE_ON_RESUME]
     if changed or config or out:
         raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb, --sampler-batch-size, "
                         "--micro-batch and --gradient-checkpointing "
                         f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
+    from agentrl.train.loop import prepare_run
+
     return resume, prepare_run(resume, None, resume=True, force=False,
                                overrides={k: overrides.get(k) for k in MAY_CHANGE_ON_RESUME})
 
@@ -57,6 +65,11 @@ def check_run(cfg: Config) -> TaskSampler:
     (which has found the games)."""
     resolve_model(cfg.model.name)
     init = cfg.train.init_adapter
+    from agentrl.rollout.plan import check_kv_fits
+    from agentrl.train.learner import refuse_full_init
+    from agentrl.train.loop import TaskSampler
+    from agentrl.train.memory import check_learner_fits
+
     if init and weights_kind(init) == "full":  # the user's files first, then whether this machine's memory holds the run
         refuse_full_init(cfg.learner.lora_r, init)
         check_full_weights(init, cfg.model.name, cfg.model.trust_remote_code)
