@@ -75,6 +75,34 @@ def test_gigpo_mass_kept_by_each_cut_comes_from_the_trajectories_beside_the_tabl
     assert all(r["gigpo_l2_kept"] != r["gigpo_l2_kept"] for r in plain.sweep)  # no trajectories: NaN
 
 
+def test_the_bootstrap_aurocs_equal_mann_whitney_u_on_each_resample():
+    """The bootstrap's AUROCs, counted over the distinct scores all at once, are scipy's
+    Mann-Whitney U / (n_pos * n_neg) on each resample exactly: ties, a resample without one
+    class (NaN), a NaN score (NaN), an empty table."""
+    import numpy as np
+    from scipy.stats import mannwhitneyu
+
+    from agentrl.analysis.gate import auroc, aurocs
+
+    def reference(score, positive):
+        a, b = score[positive], score[~positive]
+        return float("nan") if len(a) == 0 or len(b) == 0 else mannwhitneyu(a, b).statistic / (len(a) * len(b))
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n = int(rng.integers(1, 30))
+        score = rng.integers(0, 4, n).astype(float) if trial % 2 else rng.normal(size=n)  # ties, then none
+        if trial % 5 == 0:
+            score[rng.integers(0, n)] = np.nan
+        positive = rng.random(n) < 0.5
+        draws = rng.integers(0, n, size=(40, n))
+        want = np.array([reference(score[i], positive[i]) for i in draws])
+        np.testing.assert_array_equal(aurocs(score, positive, draws), want)
+        assert auroc(score, positive) == pytest.approx(reference(score, positive), nan_ok=True)
+    assert auroc(np.array([0.1, 0.2, 0.2, 0.9]), np.array([False, False, True, True])) == 0.875  # (1 + 0.5 + 2) / 4
+    assert np.isnan(auroc(np.zeros(0), np.zeros(0, dtype=bool)))
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
