@@ -53,3 +53,11 @@ class WeightsRef:
         """The ref of a directory whose kind is read from its files (`weights_kind`): a warm start or
         `--adapter DIR` may be either."""
         return cls(path, version, weights_kind(path))
+
+
+def refuse_full_init(lora_r: int, init_adapter: str | None) -> None:
+    """A LoRA learner (lora_r > 0) continues a LoRA adapter, never a full model directory."""
+    if lora_r and init_adapter and weights_kind(init_adapter) == "full":
+        raise UserError(f"learner.lora_r {lora_r} trains a LoRA over the base model, but {init_adapter} holds every "
+                        f"weight (full fine-tuning): continue it with learner.lora_r 0, or make it the base model "
+                        f"(--model {init_adapter})")

@@ -32,7 +32,7 @@ from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
 from agentrl.train.packing import Forked, Packed, autocast, fork, pack, sequence_logprobs, supports_packing, token_micro_batches
-from agentrl.weights import WeightsRef, weights_kind
+from agentrl.weights import WeightsRef, refuse_full_init, weights_kind
 
 __all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
 
@@ -63,14 +63,6 @@ def constraints_of(items) -> list | None:
     replies were drawn under admissible actions; None when none was (free text: nothing to apply)."""
     out = [(t.action_mask, t.allowed) if getattr(t, "allowed", None) else None for t in items]
     return out if any(out) else None
-
-
-def refuse_full_init(lora_r: int, init_adapter: str | None) -> None:
-    """A LoRA learner (lora_r > 0) continues a LoRA adapter, never a full model directory."""
-    if lora_r and init_adapter and weights_kind(init_adapter) == "full":
-        raise UserError(f"learner.lora_r {lora_r} trains a LoRA over the base model, but {init_adapter} holds every "
-                        f"weight (full fine-tuning): continue it with learner.lora_r 0, or make it the base model "
-                        f"(--model {init_adapter})")
 
 
 def build_learner(cfg: Config, model=None, settings: LearnerConfig | None = None, warm_start: bool = True,

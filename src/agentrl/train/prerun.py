@@ -15,7 +15,7 @@ from agentrl.errors import UserError
 from agentrl.models import check_full_weights, check_lora_adapter, resolve_model
 from agentrl.sampling.replicas import check_replicas
 from agentrl.specs import GateSpec
-from agentrl.weights import weights_kind
+from agentrl.weights import refuse_full_init, weights_kind
 
 if TYPE_CHECKING:
     from agentrl.train.loop import TaskSampler
@@ -65,16 +65,15 @@ def check_run(cfg: Config) -> TaskSampler:
     (which has found the games)."""
     resolve_model(cfg.model.name)
     init = cfg.train.init_adapter
-    from agentrl.rollout.plan import check_kv_fits
-    from agentrl.train.learner import refuse_full_init
-    from agentrl.train.loop import TaskSampler
-    from agentrl.train.memory import check_learner_fits
-
     if init and weights_kind(init) == "full":  # the user's files first, then whether this machine's memory holds the run
         refuse_full_init(cfg.learner.lora_r, init)
         check_full_weights(init, cfg.model.name, cfg.model.trust_remote_code)
     elif init:
         check_lora_adapter(init, cfg.model.name, cfg.model.trust_remote_code)
+    from agentrl.rollout.plan import check_kv_fits
+    from agentrl.train.loop import TaskSampler
+    from agentrl.train.memory import check_learner_fits
+
     t_max = cfg.rollout.max_steps or cfg.env.max_steps
     check_kv_fits(cfg, cfg.rollout.tasks * cfg.rollout.group_size, t_max, "train's rollouts")
     check_kv_fits(cfg, min(1, cfg.train.eval_tasks), cfg.train.eval_max_steps or t_max, "train's held-out eval")  # run in slices
