@@ -222,7 +222,8 @@ def test_a_constrained_run_resumes_exactly(tmp_path, tiny_actor_dir):
     from safetensors.torch import load_file
 
     from agentrl.config import load_config
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     def cfg(iterations):
         return load_config(None, {

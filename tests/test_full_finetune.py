@@ -254,7 +254,8 @@ def test_train_from_a_full_warm_start_resumes_exactly(tmp_path, full_warm_start,
     import agentrl.sampling as sampling
     from scripted import ScriptedSampler
 
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     real, made = sampling.make_sampler, []
     monkeypatch.setattr(sampling, "make_sampler", lambda *a, **k: made.append(ScriptedSampler(real(*a, **k), ("split",))) or made[-1])

@@ -71,14 +71,17 @@ def test_the_learner_layouts_do_not_import_each_other():
     assert package_graph()["stats"] <= {"errors"}  # the statistics sit at the bottom
 
 
-def test_bad_input_is_answered_before_torch_loads():
-    """`--help` and a config that fails its own checks never import torch, transformers or peft
-    (about 5 s on a 2-core machine): the one-line error comes at once."""
+def test_bad_input_is_answered_before_torch_loads(tmp_path):
+    """`--help`, a config that fails its own checks and a run directory train may not use never
+    import torch, transformers or peft (about 5 s on a 2-core machine): the one-line error comes at once."""
     import subprocess
     import sys
 
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     for argv in (["--help"], ["train", "--lr", "-1"], ["sft", "--out", "x", "--epochs", "0"], ["eval", "--split", "test"],
-                 ["rollout", "--gate", "12,0.1", "--max-steps", "10"]):
+                 ["rollout", "--gate", "12,0.1", "--max-steps", "10"], ["train", "--out", str(tmp_path / "run")],
+                 ["train", "--resume", str(tmp_path)]):
         code = (f"import sys; sys.argv = ['agentrl'] + {argv!r}\nfrom agentrl.cli import main\ncode = 0\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
                 "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"

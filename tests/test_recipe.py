@@ -189,7 +189,8 @@ def test_a_resumed_run_replays_the_same_buffer_as_an_uninterrupted_one(tmp_path,
     from safetensors.torch import load_file
 
     from agentrl.config import load_config
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     def run_train(run, iterations, resume=False):
         cfg = load_config(None, {

@@ -243,7 +243,8 @@ def test_init_adapter_is_served_as_version_0(tmp_path, warm_start, tiny_actor_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     out, _ = warm_start
     real, made = sampling.make_sampler, []
@@ -284,7 +285,8 @@ def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tm
     import agentrl.sampling as sampling
 
     from agentrl.report import build_report
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
     out, _ = warm_start
@@ -328,7 +330,8 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     import agentrl.sampling as sampling
     from scripted import ScriptedSampler
 
-    from agentrl.train.loop import prepare_run, start_run, train
+    from agentrl.train.loop import train
+    from agentrl.train.prerun import prepare_run, start_run
 
     real, made = sampling.make_sampler, []
     monkeypatch.setattr(sampling, "make_sampler", lambda *a, **k: made.append(ScriptedSampler(real(*a, **k), ("split",))) or made[-1])

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from agentrl.config import load_config
 from agentrl.errors import UserError
-from agentrl.train.loop import prepare_run, start_run, train
+from agentrl.train.loop import train
+from agentrl.train.prerun import prepare_run, start_run
 
 ITERATION_FIELDS = {
     "iteration", "groups", "groups_cut", "zero_variance_groups", "zero_variance_all_fail", "zero_variance_all_success",

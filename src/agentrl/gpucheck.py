@@ -302,7 +302,8 @@ def _second_gap(learner, sampler, cfg, size) -> dict:
 
 
 def _train(run: Path, device: str, learner_device: str | None, iterations: int, synthetic: bool) -> dict:
-    from agentrl.train.loop import prepare_run, start_run, train  # torch: cli/tools.py imports gpucheck at load
+    from agentrl.train.loop import train  # torch
+    from agentrl.train.prerun import prepare_run, start_run
 
     overrides = {"model.device": device, "learner.device": learner_device, "train.iterations": iterations,
                  "train.eval_every": iterations}
@@ -316,7 +317,8 @@ def _train(run: Path, device: str, learner_device: str | None, iterations: int, 
 
 
 def _train_real(out: Path, device: str, size) -> dict:
-    from agentrl.train.loop import prepare_run, start_run, train  # torch: cli/tools.py imports gpucheck at load
+    from agentrl.train.loop import train  # torch
+    from agentrl.train.prerun import prepare_run, start_run
     from agentrl.train.sft import run_sft
 
     ws = out / "warmstart"

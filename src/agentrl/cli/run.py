@@ -234,7 +234,7 @@ def train_cmd(
                            done=lambda row: bar.console.print(metrics_line(row, cfg.train.iterations)),
                            warn=lambda m: bar.console.print(f"[bold yellow]warning:[/] {m}"))
         if resume is None:
-            loop.start_run(run, cfg, force)
+            prerun.start_run(run, cfg, force)
         loop.train(cfg, run, resume=resume is not None, hooks=hooks, tasks=tasks)
     print_curve(read_jsonl(run / "metrics.jsonl"), run)
     console.print(f"wrote {run / 'metrics.jsonl'}; figures and tables with `agentrl report {run}`")

@@ -24,7 +24,6 @@ checkpoints/ (see checkpoint.py); `--resume RUN` continues from the last complet
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -35,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from agentrl import faults
-from agentrl.config import Config, load_config
+from agentrl.config import Config
 from agentrl.env import find_games
 from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_text, read_jsonl
@@ -195,30 +193,6 @@ def eval_row(result: EvalResult, iteration: int, adapter_version: int) -> dict:
 
 
 # ---------------------------------------------------------------- run directory
-def prepare_run(run: Path, cfg: Config | None, resume: bool, force: bool, overrides: dict | None = None) -> Config:
-    """Check the run directory before anything is loaded; return the config the run uses.
-
-    A fresh run refuses a directory that already holds a run (unless --force); --resume reads
-    the run's own config.yaml (`overrides`: only the iteration count and devices may change)."""
-    config_file = run / "config.yaml"
-    if resume:
-        if not config_file.is_file():
-            raise UserError(f"cannot resume {run}: no config.yaml there (not an agentrl train run directory)")
-        return load_config(config_file, overrides)
-    assert cfg is not None
-    if run.exists() and any(run.iterdir()):
-        if not force:
-            raise UserError(f"{run} already holds a run; continue it with --resume {run} or overwrite it with --force")
-    return cfg
-
-
-def start_run(run: Path, cfg: Config, force: bool) -> None:
-    if force and run.exists():
-        shutil.rmtree(run)
-    run.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-
-
 # ---------------------------------------------------------------- the loop
 @dataclass
 class Hooks:

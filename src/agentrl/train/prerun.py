@@ -4,14 +4,19 @@ first, then whether this machine holds it (KV cache, learner), then the cluster.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from agentrl import cluster
 from agentrl.config import Config, load_config
 from agentrl.errors import UserError
+from agentrl.io import atomic_write_text
 from agentrl.models import check_full_weights, check_lora_adapter, resolve_model
 from agentrl.sampling.replicas import check_replicas
 from agentrl.specs import GateSpec
@@ -37,19 +42,38 @@ def run_config(out: Path | None, resume: Path | None, force: bool, config: Path 
     settings of MAY_CHANGE_ON_RESUME may be given."""
     if resume is None:
         run = out or Path("runs") / f"train-{time.strftime('%Y%m%d-%H%M%S')}"
-        cfg = check_kl_reference(load_config(config, overrides))
-        from agentrl.train.loop import prepare_run
-
-        return run, prepare_run(run, cfg, resume=False, force=force)
+        return run, prepare_run(run, check_kl_reference(load_config(config, overrides)), resume=False, force=force)
     changed = [k for k, v in overrides.items() if v is not None and k not in MAY_CHANGE_ON_RESUME]
     if changed or config or out:
         raise UserError(f"--resume continues {resume} with its own config.yaml; only --iterations, the devices, --env-workers, --ray-address, --sampler-replicas, --kv-budget-gb, --sampler-batch-size, "
                         "--micro-batch and --gradient-checkpointing "
                         f"may change (got {', '.join(changed + (['--config'] if config else []) + (['--out'] if out else []))})")
-    from agentrl.train.loop import prepare_run
-
     return resume, prepare_run(resume, None, resume=True, force=False,
                                overrides={k: overrides.get(k) for k in MAY_CHANGE_ON_RESUME})
+
+
+def prepare_run(run: Path, cfg: Config | None, resume: bool, force: bool, overrides: dict | None = None) -> Config:
+    """Check the run directory before anything is loaded; return the config the run uses.
+
+    A fresh run refuses a directory that already holds a run (unless --force); --resume reads
+    the run's own config.yaml (`overrides`: only the iteration count and devices may change)."""
+    config_file = run / "config.yaml"
+    if resume:
+        if not config_file.is_file():
+            raise UserError(f"cannot resume {run}: no config.yaml there (not an agentrl train run directory)")
+        return load_config(config_file, overrides)
+    assert cfg is not None
+    if run.exists() and any(run.iterdir()):
+        if not force:
+            raise UserError(f"{run} already holds a run; continue it with --resume {run} or overwrite it with --force")
+    return cfg
+
+
+def start_run(run: Path, cfg: Config, force: bool) -> None:
+    if force and run.exists():
+        shutil.rmtree(run)
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run / "config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
 
 def check_kl_reference(cfg: Config) -> Config:
