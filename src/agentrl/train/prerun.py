@@ -1,6 +1,7 @@
 """Before `agentrl train` writes anything: which run directory and config (a fresh run, or
 --resume's policy), and the checks that refuse a run up front, cheapest and the user's own files
-first, then whether this machine holds it (KV cache, learner), then the cluster."""
+first, then whether this machine holds it (KV cache, learner), then the cluster; then the first
+thing it writes (`start_run`: the directory and its config.yaml)."""
 
 from __future__ import annotations
 
