@@ -81,7 +81,7 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     for argv in (["--help"], ["train", "--lr", "-1"], ["sft", "--out", "x", "--epochs", "0"], ["eval", "--split", "test"],
                  ["rollout", "--gate", "12,0.1", "--max-steps", "10"], ["train", "--out", str(tmp_path / "run")],
-                 ["train", "--resume", str(tmp_path)]):
+                 ["train", "--resume", str(tmp_path)], ["eval", "--model", "./no/such/model"]):
         code = (f"import sys; sys.argv = ['agentrl'] + {argv!r}\nfrom agentrl.cli import main\ncode = 0\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
                 "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"

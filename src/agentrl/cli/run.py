@@ -46,6 +46,8 @@ def eval_cmd(
 ) -> None:
     """Greedy episodes on held-out games; prints success by task type, writes episodes.jsonl and summary.json."""
     cfg = load_config(config, overrides(eval_cmd, locals()))
+    if cfg.eval.policy == "model":
+        resolve_model(cfg.model.name)  # a missing or unprepared model: one line, before torch loads
     from agentrl.evaluate import prepare_eval, run_eval, summary  # torch: after the config's checks (bad input answers at once)
 
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
