@@ -192,7 +192,6 @@ def eval_row(result: EvalResult, iteration: int, adapter_version: int) -> dict:
     }
 
 
-# ---------------------------------------------------------------- run directory
 # ---------------------------------------------------------------- the loop
 @dataclass
 class Hooks:
