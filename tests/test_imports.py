@@ -72,8 +72,8 @@ def test_the_learner_layouts_do_not_import_each_other():
 
 
 def test_bad_input_is_answered_before_torch_loads(tmp_path):
-    """`--help`, a config that fails its own checks and a run directory train may not use never
-    import torch, transformers or peft (about 5 s on a 2-core machine): the one-line error comes at once."""
+    """`--help`, a config that fails its own checks, a run directory train may not use, and sft's
+    data, `--from` and output checks never import torch, transformers or peft (about 5 s on a 2-core machine): the one-line error comes at once."""
     import subprocess
     import sys
 
@@ -81,7 +81,10 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     for argv in (["--help"], ["train", "--lr", "-1"], ["sft", "--out", "x", "--epochs", "0"], ["eval", "--split", "test"],
                  ["rollout", "--gate", "12,0.1", "--max-steps", "10"], ["train", "--out", str(tmp_path / "run")],
-                 ["train", "--resume", str(tmp_path)], ["eval", "--model", "./no/such/model"]):
+                 ["train", "--resume", str(tmp_path)], ["eval", "--model", "./no/such/model"],
+                 ["sft", "--data", str(tmp_path), "--out", str(tmp_path / "ws")],  # a root without train games
+                 ["sft", "--from", str(tmp_path / "none"), "--out", str(tmp_path / "ws")],  # no such rollout
+                 ["sft", "--out", str(tmp_path / "run")]):  # a directory that holds something
         code = (f"import sys; sys.argv = ['agentrl'] + {argv!r}\nfrom agentrl.cli import main\ncode = 0\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
                 "heavy = sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)\n"

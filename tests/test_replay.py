@@ -18,7 +18,7 @@ from agentrl.config import load_config
 from agentrl.env import AlfworldEnv, EnvsOnDemand, prompt_options
 from agentrl.env.data import read_game
 from agentrl.env.pool import EnvPool, LocalEnvs
-from agentrl.env.replay import Replay, ReplayCache, export_replays, import_replays, replay_key, replay_walkthroughs
+from agentrl.env.replay import ReplayCache, export_replays, import_replays, replay_key, replay_walkthroughs
 from agentrl.errors import UserError
 from agentrl.train.sft import expert_dataset, sft_prompt
 

@@ -288,17 +288,18 @@ def sft_cmd(
 ) -> None:
     """Warm start: behaviour cloning on expert walkthroughs into the learner's LoRA (then `agentrl train --init-adapter OUT`)."""
     cfg = load_config(config, overrides(sft_cmd, locals()))
-    from agentrl.train import sft  # torch: after the config's checks (bad input answers at once)
+    from agentrl.train import sft_plan  # bad input is answered from here, before torch loads
 
-    sources = [sft.rollout_file(p) for p in from_ or []]  # a missing file: one line, before anything loads
-    if reuse and (record := sft.reusable(cfg, out, sources)):
+    sources = [sft_plan.rollout_file(p) for p in from_ or []]
+    if reuse and (record := sft_plan.reusable(cfg, out, sources)):
         console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "
                       f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
         return
-    sft.check_out_dir(out, force)  # before anything is loaded
+    sft_plan.check_out_dir(out, force)
     resolve_model(cfg.model.name)
     if not sources:
-        sft.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
+        sft_plan.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
+    from agentrl.train import sft  # torch
     labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training, optimizer steps",
               "expert": "playing the hand-coded expert", "heldout expert": "playing the hand-coded expert, held-out games"}
     with progress_bar() as bar:

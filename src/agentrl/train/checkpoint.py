@@ -23,7 +23,6 @@ from agentrl import faults
 from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_path, atomic_write_text
 from agentrl.train.handoff import Learner
-from agentrl.weights import WeightsRef
 
 STATE = "state.json"
 TENSORS = "state.safetensors"

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from agentrl.errors import UserError
 from agentrl.io import read_jsonl_numbered
 from agentrl.rollout.trajectory import step_sequences
+from agentrl.train.sft_plan import rollout_file
 
 NEEDED = ("task_id", "won", "token_ids", "action_mask")
 
@@ -29,15 +29,6 @@ class WonRollouts:
     trajectories: int = 0  # read, won or not
     won: int = 0
     files: list[dict] = field(default_factory=list)  # {"path", "sha256"}: what the adapter was made from
-
-
-def rollout_file(path: Path) -> Path:
-    """`path` itself, or the trajectories.jsonl inside a rollout directory; a one-line error if none."""
-    path = Path(path)
-    f = path / "trajectories.jsonl" if path.is_dir() else path
-    if not f.is_file():
-        raise UserError(f"--from {path}: no such file (expected trajectories.jsonl from `agentrl rollout --out DIR`, or DIR)")
-    return f
 
 
 def _record(rec, where: str) -> tuple[list[int], list[int]]:

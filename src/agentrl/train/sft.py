@@ -37,8 +37,8 @@ import torch
 
 from agentrl import faults
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
-from agentrl.env import EnvsOnDemand, env_factory, find_games, prompt_options
-from agentrl.env.data import round_robin, spread
+from agentrl.env import EnvsOnDemand, env_factory, prompt_options
+from agentrl.env.data import round_robin  # noqa: F401 (tests import it from here)
 from agentrl.env.expert import EXPERT_DIRNAME, expert_games
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
@@ -53,10 +53,12 @@ from agentrl.sampling.base import Completion, SamplingParams
 from agentrl.train import checkpoint
 from agentrl.train.bc import masked_nll_sum  # noqa: F401 (sft's loss; tests import it from here)
 from agentrl.train.learner import LocalLearner, build_learner
-from agentrl.train.rft import rollout_file, won_rollouts
+from agentrl.train.rft import won_rollouts
+from agentrl.train.sft_plan import (DATASET_VERSION, NOT_RECIPE, check_out_dir, comparable,  # noqa: F401 (the light half:
+                                     first_difference, partial_dir, recipe, reusable, select_games,  # tests and benchmarks
+                                     sft_prompt, source_digests)  # import them from here too)
 
 log = logging.getLogger(__name__)
-DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
 
 
 # ---------------------------------------------------------------- the expert data
@@ -128,15 +130,6 @@ class ExpertData:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (game id, why)
     cached: bool = False
     replay: ReplayStats | None = None  # None: the examples came from the dataset cache
-
-
-def select_games(cfg: Config, split: str, n: int | None):
-    games = find_games(cfg.env.kind, split, cfg.data.root)
-    chosen = round_robin(spread(games, cfg.sft.spread), n)
-    if not chosen:
-        raise UserError(f"no {split} games to learn from (data: {cfg.data.root or '$ALFWORLD_DATA'}); "
-                        "check the path, or run `agentrl data check`")
-    return chosen
 
 
 def dataset_key(games, cfg: Config, tokenizer) -> str:
@@ -249,80 +242,7 @@ class SftHooks:
     note: callable = lambda text: None  # a line to show (a resumed run says where it continues)
 
 
-def check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UserError(f"{out} already exists; choose another --out or overwrite it with --force")
-
-
-def sft_prompt(cfg: Config) -> Config:
-    """The prompt a warm start is taught with: replies `Action: <cmd>`, no in-context example
-    (unless the config says otherwise)."""
-    cfg.prompt.reply = cfg.prompt.reply or "action"
-    cfg.prompt.example = cfg.prompt.example or "none"
-    if cfg.prompt.reply != "action":
-        raise UserError("agentrl sft teaches `Action: <command>` replies (walkthroughs carry no thoughts): "
-                        "use prompt.reply action")
-    return cfg
-
-
-def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
-    """Everything that decides what a warm start is (not where or how fast it is built); `sources`:
-    `--from`'s files and their digests (the data in place of the walkthroughs)."""
-    from dataclasses import asdict
-
-    lc = cfg.learner
-    return comparable({"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
-            "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
-                       **({"admissible": True} if cfg.prompt.admissible else {}),
-                       **({"history": cfg.prompt.history} if cfg.prompt.history else {})},
-            "lora": {"r": lc.lora_r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout,
-                     "target_modules": list(lc.target_modules), "weight_decay": lc.weight_decay},
-            "sft": {k: v for k, v in asdict(cfg.sft).items() if k not in NOT_RECIPE},
-            # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
-            **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
-               if cfg.sft.expert != "walkthrough" else {}),
-            "dataset_version": DATASET_VERSION,
-            **({"from": [d["sha256"] for d in sources]} if sources else {})})
-
-
-LORA_ONLY = ("alpha", "dropout", "target_modules")  # what full fine-tuning (r 0) does not use
-
-
-def comparable(recipe_: dict | None) -> dict | None:
-    """A recipe as it decides the warm start: under full fine-tuning (LoRA r 0) without the
-    LoRA-only settings it never reads. Records written before they were dropped keep them, so
-    `reusable` and `resumable` compare through this."""
-    lora = recipe_.get("lora") if isinstance(recipe_, dict) else None
-    if not isinstance(lora, dict) or lora.get("r") != 0:
-        return recipe_
-    return {**recipe_, "lora": {k: v for k, v in lora.items() if k not in LORA_ONLY}}
-
-
-def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict | None:
-    """The record of the warm start in `out` if it was built with this very recipe (and, for
-    `--from`, from files with the same contents), else None."""
-    f = out / ADAPTER_RECORD
-    try:
-        record = json.loads(f.read_text())
-    except (OSError, ValueError):
-        return None
-    if cfg.learner.lora_r:
-        done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
-    else:  # full fine-tuning's model directory
-        done = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    return record if done and comparable(record.get("recipe")) == recipe(sft_prompt(cfg), source_digests(sources)) else None
-
-
-def source_digests(sources: list[Path] | None) -> list[dict] | None:
-    """`--from`'s files as the recipe names them (their contents' digests); None without --from."""
-    return [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources] if sources else None
-
-
 # ---------------------------------------------------------------- checkpoints: a killed warm start continues
-# sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
-NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps")
-
-
 @dataclass
 class SftState:
     """Where a warm start stands at a checkpoint (the learner's weights, optimizer and RNG lie beside
@@ -344,11 +264,6 @@ class SftState:
     adapter_version: int = 0  # (checkpoint.load reads it)
 
 
-def partial_dir(out: Path) -> Path:
-    """An unfinished warm start's checkpoints: a sibling of OUT, removed once OUT is written."""
-    return out.with_name(out.name + ".partial")
-
-
 def unfinished(out: Path) -> Path | None:
     """The latest checkpoint of OUT's unfinished warm start (None: there is none)."""
     partial = partial_dir(out)
@@ -366,7 +281,7 @@ def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[P
     if found is None:
         return None
     state = checkpoint.read_state(found, SftState)
-    differs = _first_difference(comparable(state.recipe), recipe(sft_prompt(cfg), source_digests(sources)))
+    differs = first_difference(comparable(state.recipe), recipe(sft_prompt(cfg), source_digests(sources)))
     if resume and differs is None:
         return found
     if differs is not None and not force and resume:
@@ -374,18 +289,6 @@ def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[P
                         f"step {state.step} of {state.total_steps}; continue it with its own settings, or discard "
                         "it with --force or --no-resume")
     shutil.rmtree(partial_dir(out))
-    return None
-
-
-def _first_difference(was: dict, now: dict, where: str = "") -> str | None:
-    """The first setting where two recipes differ, as `name was -> now` (None: the same)."""
-    for key in sorted(set(was) | set(now)):
-        a, b = was.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            if (found := _first_difference(a, b, f"{where}{key}.")) is not None:
-                return found
-        elif a != b:
-            return f"{where}{key} {a!r} -> {b!r}"
     return None
 
 
