@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from agentrl.config import ADAPTER_RECORD, Config
@@ -24,7 +25,6 @@ def select_games(cfg: Config, split: str, n: int | None):
         raise UserError(f"no {split} games to learn from (data: {cfg.data.root or '$ALFWORLD_DATA'}); "
                         "check the path, or run `agentrl data check`")
     return chosen
-
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -46,8 +46,6 @@ def sft_prompt(cfg: Config) -> Config:
 def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
     """Everything that decides what a warm start is (not where or how fast it is built); `sources`:
     `--from`'s files and their digests (the data in place of the walkthroughs)."""
-    from dataclasses import asdict
-
     lc = cfg.learner
     return comparable({"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
             "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
@@ -96,16 +94,13 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
     return [{"sha256": hashlib.sha256(rollout_file(p).read_bytes()).hexdigest()} for p in sources] if sources else None
 
 
-
 # sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
 NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps")
-
 
 
 def partial_dir(out: Path) -> Path:
     """An unfinished warm start's checkpoints: a sibling of OUT, removed once OUT is written."""
     return out.with_name(out.name + ".partial")
-
 
 
 def first_difference(was: dict, now: dict, where: str = "") -> str | None:
