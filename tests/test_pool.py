@@ -4,6 +4,8 @@ is replaced (its envs fail, the others go on), shutdown leaves no process behind
 import os
 import signal
 
+import pytest
+
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.pool import EnvFailure, EnvPool
 
@@ -87,10 +89,13 @@ def test_a_worker_killed_mid_rollout_ends_only_its_trajectories(games):
     assert "died" in rollout.trajectories[0].error and len(rollout.trajectories[0].steps) in (1, 2)
 
 
-def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny_model, tokenizer):
+@pytest.mark.parametrize("static", ["off", "on"])
+def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny_model, tokenizer, static):
     """With a pool, the sampler's generate calls for one wave happen while the other wave's step
     is still with the workers, and the trajectories (tokens, actions, observations) are the
-    ones of an in-process rollout with the same seeds."""
+    ones of an in-process rollout with the same seeds; also with the captured step's engine
+    (static decode, prefill at bucketed shapes: CUDA's defaults, run eagerly here), whose two
+    waves decode from two spans of the store that holds still."""
     from agentrl.rollout import ModelPolicy, run_lockstep
     from agentrl.sampling.base import SamplingParams
     from agentrl.sampling.hf import HFSampler
@@ -99,7 +104,7 @@ def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny
     params = SamplingParams(1.0, 1.0, 8)
 
     def rollout(envs=None, in_flight=None):
-        policy = ModelPolicy(HFSampler(tiny_model, tokenizer), params, seed=3)
+        policy = ModelPolicy(HFSampler(tiny_model, tokenizer, static_decode=static, prefill_buckets=static), params, seed=3)
         if in_flight is not None:
             act = policy.act
 

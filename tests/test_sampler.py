@@ -380,3 +380,86 @@ def test_on_cuda_the_engine_equals_a_teacher_forced_forward(tiny_model, tokenize
         assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
     cpu = HFSampler(tiny_model, tokenizer).generate(rows(prompts, seeds=[1, 2]), SamplingParams(temperature=1.0, max_new_tokens=6))
     assert [c.token_ids for c in out] == [c.token_ids for c in cpu]  # the same noise on every device
+
+
+# ---------------------------------------------------------------- prefill at bucketed shapes (sampling.prefill_buckets)
+
+
+def _turns(sampler, fresh, obs, params):
+    """Two turns of three rows whose new tokens differ in length at each turn (fresh, then continued)."""
+    first = sampler.generate(rows(fresh, seeds=[1, 2, 3], keys=[0, 1, 2]), params)
+    turn2 = [p + c.token_ids + obs[: len(obs) - 3 * i] for i, (p, c) in enumerate(zip(fresh, first))]
+    return first + sampler.generate(rows(turn2, seeds=[4, 5, 6], keys=[0, 1, 2]), params)
+
+
+@pytest.mark.parametrize("static", ["off", "on"])
+def test_bucketed_prefill_shapes_change_no_token(arch_model, tokenizer, static):
+    """`prefill_buckets` (on by default on CUDA, forced here) pads a prefill forward to a bucketed
+    shape (padding rows after the real ones, more new tokens, a longer KV read) and packs rows of
+    unequal length into fewer forwards: every row samples what it samples with exact shapes (fp32,
+    three architectures), with the captured step's store (a scratch slot) and without."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    texts = ["you are in the middle of a room", "you are in the middle of a big room looking quickly around you",
+             "you see a desk 1 and a bed 1 here, and on the desk 1 there is a lamp 1 and a pen 2 and a mug"]
+    fresh = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    obs = tokenizer("you arrive at desk 1. on the desk 1, you see a lamp 1, a cd 2, a pencil 3 and a mug 1",
+                    add_special_tokens=False).input_ids
+    exact = HFSampler(arch_model, tokenizer, static_decode=static, prefill_buckets="off", share_prefixes=False)
+    bucketed = HFSampler(arch_model, tokenizer, static_decode=static, prefill_buckets="on", share_prefixes=False)
+    spans, forward = [], bucketed._forward
+    bucketed._forward = lambda ids, qpos, meta: spans.append(meta.span) or forward(ids, qpos, meta)
+    a, b = _turns(exact, fresh, obs, params), _turns(bucketed, fresh, obs, params)
+    if static == "on":  # the captured step's store has room after the batch: its rows, padding rows included, read as a view
+        assert spans[:2] == [0, 0]
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    assert bucketed.prefill_forwards == 2 < exact.prefill_forwards  # one forward a turn: rows of every length together
+    assert bucketed.prefill_tokens == exact.prefill_tokens  # the same real tokens, more pads
+    for rows_, new, kv in bucketed.prefill_shapes:
+        assert rows_ == 4 and new % 16 == 0 and (kv % 256 == 0 or kv == bucketed.store.capacity)
+    assert exact.kv_memory()["prefill_shapes"] == len(exact.prefill_shapes) > 2
+
+
+def test_bucketed_prefill_padding_rows_write_nothing(tiny_model, tokenizer):
+    """A bucketed prefill of 3 rows runs 4, the fourth reading the slot after them (another live
+    sequence's): no key or value of any slot but the real rows' new positions changes, and that
+    sequence continues exactly as it does without buckets."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    texts = ["you are in the middle of a room", "a desk 1 is here", "you see a bed 1", "on the shelf 2 is a key"]
+    fresh = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    obs = tokenizer("nothing happens.", add_special_tokens=False).input_ids
+    out = {}
+    for mode in ("off", "on"):
+        s = HFSampler(tiny_model, tokenizer, prefill_buckets=mode, share_prefixes=False)
+        first = s.generate(rows(fresh, seeds=[1, 2, 3, 4], keys=[0, 1, 2, 3]), params)
+        assert [s.store.slot_of[k] for k in range(4)] == [0, 1, 2, 3]
+        held = [torch.cat([s.store.storage.k[layer][3], s.store.storage.v[layer][3]]).clone()
+                for layer in range(s.store.storage.n_layers)]
+        turn2 = [p + c.token_ids + obs for p, c in zip(fresh, first)]
+        pads = s.prefill_pad_tokens
+        s.generate(rows(turn2[:3], seeds=[5, 6, 7], keys=[0, 1, 2]), params)
+        assert (s.prefill_pad_tokens - pads >= 16) == (mode == "on")  # the three rows ran as four: a whole row of pads
+        for layer in range(s.store.storage.n_layers):
+            assert torch.equal(torch.cat([s.store.storage.k[layer][3], s.store.storage.v[layer][3]]), held[layer])
+        out[mode] = s.generate(rows([turn2[3]], seeds=[8], keys=[3]), params)[0]
+    assert out["on"].token_ids == out["off"].token_ids
+    assert out["on"].logprobs == pytest.approx(out["off"].logprobs, abs=1e-5)
+
+
+def test_prefill_shapes_are_buckets():
+    from agentrl.sampling.hf import prefill_shape
+
+    assert prefill_shape(3, 14, 700, 4096) == (4, 16, 768)
+    assert prefill_shape(100, 17, 1900, 4096) == (128, 32, 2048)
+    assert prefill_shape(1, 300, 2000, 2048) == (1, 384, 2048)  # never past the store's capacity
+    assert prefill_shape(140, 256, 256, 512) == (160, 256, 256)
+
+
+def test_length_buckets_may_pad_a_number_of_tokens():
+    from agentrl.sampling.hf import _length_buckets
+
+    lengths = {0: 10, 1: 11, 2: 12, 3: 40, 4: 41, 5: 200}
+    order = sorted(lengths, key=lengths.get)
+    assert _length_buckets(order, lengths.get, pad_tokens=1000) == [[0, 1, 2, 3, 4, 5]]
+    assert _length_buckets(order, lengths.get, pad_tokens=300) == [[0, 1, 2, 3, 4], [5]]  # 200 x 6 - 314 > 300
+    assert _length_buckets(order, lengths.get, fits=lambda r: len(r) <= 2, pad_tokens=1000) == [[0, 1], [2, 3], [4, 5]]

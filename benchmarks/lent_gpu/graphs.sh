@@ -14,13 +14,19 @@
 #              its greedy eval on every held-out game, with E2E_KERNEL pinned (default: the kernel
 #              whose captured step was fastest in `decode`; eager decoding where none captured);
 #              PROFILE=1 runs the evals under cProfile and appends their top functions to eval-*.log;
+#   ab         after e2e: its eval of AB_SPLIT (default valid_seen) again once per arm of AB_ARMS,
+#              each `section.key=value` setting one YAML value (default: sampling.prefill_buckets
+#              "off", e2e's on being CUDA's default; env.overlap true, the env stepping one wave of
+#              groups while the captured step decodes the other), then every arm beside e2e's:
+#              generate and env seconds, prefill forwards, shapes and pads, games won (paired);
 #   attention  benchmarks/bench_attention.py: SDPA's kernels on the decode and prefill shapes and on
 #              the model's step (--profile).
-# Results in $OUT: tests.log, decode-<kernel>.json/.log, train.log, eval-*.log, results.tgz,
+# Results in $OUT: tests.log, decode-<kernel>.json/.log, train.log, eval-*.log, ab.log, results.tgz,
 # attention.json/.log and attn/ (profiles). A CPU dry run of the script: DRY=1 (small shapes).
 BUDGET=${BUDGET:-560}; PHASES=${PHASES:-tests decode e2e attention}; DECODE_KERNELS=${DECODE_KERNELS:-auto cudnn}
 TESTS_S=${TESTS_S:-80}; DECODE_S=${DECODE_S:-100}; TRAIN_S=${TRAIN_S:-130}; ITERATIONS=${ITERATIONS:-2}
 EVAL_SPLITS=${EVAL_SPLITS:-valid_seen valid_unseen}; ATTENTION_S=${ATTENTION_S:-100}  # time kept for `attention`
+AB_SPLIT=${AB_SPLIT:-valid_seen}; AB_ARMS=${AB_ARMS:-sampling.prefill_buckets=\"off\" env.overlap=true}
 T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) - 10 )); }
 cap() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a phase's cap, never past the budget
 cd "$(dirname "$0")/../.."
@@ -91,6 +97,36 @@ PY
   tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints r1 ev 2>/dev/null
 }
 
+ab() {  # e2e's eval of AB_SPLIT again once per arm of AB_ARMS, each one setting changed, side by side
+  [ -f /tmp/e2e.yaml ] && [ -f /tmp/ev/$AB_SPLIT/summary.json ] || { echo "== ab skipped: e2e's eval of $AB_SPLIT did not run"; return; }
+  local dirs=(/tmp/ev/$AB_SPLIT) arm
+  for arm in $AB_ARMS; do  # section.key=value, the value as YAML (quote on/off: YAML reads them as booleans)
+    local sec=${arm%%.*} rest=${arm#*.}; local key=${rest%%=*} val=${rest#*=}
+    local name=$(printf '%s' "$key-$val" | tr -c 'a-zA-Z0-9-' '_')
+    sed "/^$sec:/a\\  $key: $val" /tmp/e2e.yaml > /tmp/ab-$name.yaml
+    local rem=$(( $(left) - 10 )); [ $rem -gt 40 ] || { echo "== ab: no time left for $arm"; break; }
+    echo "== ab: $AB_SPLIT with $sec.$key: $val $(date +%T), ${rem}s for it"
+    local t=$(date +%s)
+    timeout -k 10 $rem "${AG[@]}" eval --config /tmp/ab-$name.yaml --adapter .dev/p3/adapter --split $AB_SPLIT \
+      --max-steps 30 --out /tmp/ev/$AB_SPLIT-$name > $OUT/eval-$AB_SPLIT-$name.log 2>&1
+    echo "eval rc $? in $(( $(date +%s) - t )) s"
+    [ -f /tmp/ev/$AB_SPLIT-$name/summary.json ] && dirs+=(/tmp/ev/$AB_SPLIT-$name)
+  done
+  { python3 - "${dirs[@]}" <<'PY'
+import json, pathlib, sys
+base = None
+for d in sys.argv[1:]:
+    s = json.loads((pathlib.Path(d) / "summary.json").read_text())
+    t, m, o = s["timing"], s["memory"] or {}, s["overall"]
+    base = base or t["generate_s"]
+    print(f"{pathlib.Path(d).name:40s} generate {t['generate_s']:6.1f} s ({t['generate_s'] / base:.2f}x e2e's)  env {t['env_s']:5.1f} s"
+          f"  per step {t['s_per_step']:.2f} s  prefill forwards {m.get('kv_prefill_forwards')} (shapes {m.get('kv_prefill_shapes')},"
+          f" tokens {m.get('kv_prefill_tokens')} + pads {m.get('kv_prefill_pad_tokens')})  won {o['won']}/{o['games']}")
+PY
+    for d in "${dirs[@]:1}"; do "${AG[@]}" compare ${dirs[0]} $d | tail -n 2; done; } 2>&1 | tee $OUT/ab.log
+  tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints r1 ev 2>/dev/null
+}
+
 attention() {
   echo "== attention $(date +%T), $(left)s left"
   timeout -k 5 $(left) python3 benchmarks/bench_attention.py $ATTENTION_ARGS --profile $OUT/attn --out $OUT/attention.json \
@@ -99,6 +135,6 @@ attention() {
 }
 
 for phase in $PHASES; do
-  case $phase in tests|decode|e2e|attention) $phase ;; *) echo "unknown phase $phase" ;; esac
+  case $phase in tests|decode|e2e|ab|attention) $phase ;; *) echo "unknown phase $phase" ;; esac
 done
 echo "done after $(( $(date +%s) - T0 )) s"

@@ -106,6 +106,10 @@ class SamplingConfig:
     # hf: the decode step over static buffers, captured as CUDA graphs (one launch per token);
     # auto = on where CUDA is, on = also on a CPU (run eagerly: the same step, for tests), off = eager loop
     static_decode: str = "auto"
+    # hf: prefill forwards at bucketed shapes (rows, new tokens, KV length) and padded more freely, so a
+    # step's new observations run in one forward of a shape seen before; auto = on where CUDA is
+    # (docs/gpu.md#prefill-at-bucketed-shapes-samplingprefill_buckets), on = also on a CPU (tests)
+    prefill_buckets: str = "auto"
     # hf: the SDPA kernel of the sampler's attention: auto (SDPA's own choice) | cudnn | efficient |
     # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
     # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
@@ -463,6 +467,8 @@ def _check_sampling(c: Config) -> Checks:
         (s.kv_budget_gb == "auto" or (not isinstance(s.kv_budget_gb, (str, bool)) and s.kv_budget_gb > 0),
          f"sampling.kv_budget_gb must be auto or a number of GB > 0, got {s.kv_budget_gb!r}"),
         (s.static_decode in ("auto", "on", "off"), f"sampling.static_decode must be auto, on or off, got {s.static_decode!r}"),
+        (s.prefill_buckets in ("auto", "on", "off"),
+         f"sampling.prefill_buckets must be auto, on or off, got {s.prefill_buckets!r}"),
         (s.attention_backend in ATTENTION_BACKENDS,
          f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
         (s.action_space in ACTION_SPACES, f"sampling.action_space must be free or admissible, got {s.action_space!r}"),

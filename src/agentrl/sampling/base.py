@@ -109,8 +109,9 @@ class Sampler(Protocol):
 
     def kv_memory(self) -> dict | None:
         """What the sampler's KV memory held so far: budget_bytes, peak_bytes, the (slots, capacity)
-        at the peak, bytes_per_token, caches dropped under the budget; None where the backend manages
-        its own (vLLM, replicas). An eval's summary.json records it beside its plan."""
+        at the peak, bytes_per_token, caches dropped under the budget (the hf sampler also: its
+        reallocations, decode steps built, prefill forwards and their distinct shapes); None where
+        the backend manages its own (vLLM, replicas). An eval's summary.json records it beside its plan."""
         ...
 
     def release(self, keys: list) -> None:

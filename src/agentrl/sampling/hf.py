@@ -45,14 +45,18 @@ from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
-from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, use_slot_attention
+from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, use_slot_attention
 from agentrl.sampling.prefixes import shared_prefixes
-from agentrl.sampling.static import StaticDecoder, decode_static
+from agentrl.sampling.static import StaticDecoder, decode_static, kv_read_bucket
 from agentrl.weights import WeightsRef
 
 __all__ = ["HFSampler", "cache_kwarg", "row_uniforms", "stop_token_ids"]  # row_uniforms: decode.py's, re-exported
 
 log = logging.getLogger(__name__)
+
+# with prefill_buckets, a prefill forward may pad this many tokens beyond a quarter of its real
+# ones: on a GPU ~4 TFLOP at most for the default model (a few ms), less than one more eager forward
+PREFILL_PAD_TOKENS = 16384
 
 
 def stop_token_ids(tokenizer, model=None) -> set[int]:
@@ -75,7 +79,8 @@ def cache_kwarg(model) -> str:
 class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
                  kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
-                 static_decode: str = "auto", attention_backend: str = "auto", share_prefixes: bool = True):
+                 static_decode: str = "auto", attention_backend: str = "auto", share_prefixes: bool = True,
+                 prefill_buckets: str = "auto"):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -96,6 +101,10 @@ class HFSampler:
                                hold_still=on)
         self.attention_backend = check_backend(attention_backend, param.device, param.dtype, model.config)  # SDPA's kernel
         self._prefill_fits = prefill_sizer(self.attention_backend, param.device, param.dtype, model.config)
+        # prefill forwards of bucketed shapes (`prefill_shape`): auto = on where CUDA is, on = also on a CPU (tests)
+        self.prefill_buckets = prefill_buckets == "on" or (prefill_buckets == "auto" and param.device.type == "cuda")
+        self.prefill_forwards = 0  # prefill forwards run
+        self.prefill_shapes: set[tuple[int, int, int]] = set()  # their distinct (rows, new tokens, KV length)
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
         self.prefill_pad_tokens = 0  # pads run beside them to batch rows of unequal length
@@ -119,7 +128,7 @@ class HFSampler:
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
                    static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend,
-                   share_prefixes=cfg.sampling.share_prefixes)
+                   share_prefixes=cfg.sampling.share_prefixes, prefill_buckets=cfg.sampling.prefill_buckets)
 
     @property
     def device(self) -> torch.device:
@@ -245,7 +254,9 @@ class HFSampler:
         slots, capacity = s.storage.peak_shape
         return {"budget_bytes": s.budget, "peak_bytes": s.peak_bytes, "peak_slots": slots, "peak_capacity": capacity,
                 "bytes_per_token": s.bytes_per_token, "dropped": s.dropped, "reallocations": s.storage.generation,
-                "decode_steps_built": self.static.built if self.static else None}
+                "decode_steps_built": self.static.built if self.static else None,
+                "prefill_forwards": self.prefill_forwards, "prefill_shapes": len(self.prefill_shapes),
+                "prefill_tokens": self.prefill_tokens, "prefill_pad_tokens": self.prefill_pad_tokens}
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
@@ -363,15 +374,21 @@ class HFSampler:
         """Each of `runs`' new tokens into its slot, in length buckets; {row: last position's logits}."""
         def fits(rows: list[int]) -> bool:  # a bucket's scores or, with a fused kernel, its tokens (attention.prefill_fits)
             new, kv = max(len(prompts[i]) - cached[i] for i in rows), max(len(prompts[i]) for i in rows)
-            return self._prefill_fits(len(rows), new, kv)
+            return self._prefill_fits(*self._shape(len(rows), new, kv))
 
         row_logits: dict[int, torch.Tensor] = {}
         runs = sorted(runs, key=lambda i: len(prompts[i]) - cached[i])
-        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits):
+        pad = PREFILL_PAD_TOKENS if self.prefill_buckets else 0
+        for bucket in _length_buckets(runs, lambda i: len(prompts[i]) - cached[i], fits, pad_tokens=pad):
+            bucket.sort(key=lambda i: slots[i])  # rows in slot order: a bucket of consecutive slots reads them as a view
             out = self._prefill_bucket(bucket, prompts, cached, slots)
             for j, i in enumerate(bucket):
                 row_logits[i] = out[j]
         return row_logits
+
+    def _shape(self, rows: int, new: int, kv: int) -> tuple[int, int, int]:
+        """The (rows, new tokens, KV length) a prefill forward of that size runs at."""
+        return prefill_shape(rows, new, kv, self.store.capacity) if self.prefill_buckets else (rows, new, kv)
 
     def _run_shared_prefixes(self, prompts, cached, slots, fresh: list[int]) -> list[int]:
         """Run each shared prefix of the fresh rows once, in its first row's slot, copy it to the
@@ -397,12 +414,15 @@ class HFSampler:
         return cached
 
     def _prefill_bucket(self, bucket: list[int], prompts, cached, slots) -> torch.Tensor:
-        """One forward of a bucket's new tokens, left-padded to its longest; the last position's logits."""
+        """One forward of a bucket's new tokens, left-padded to its longest (with `prefill_buckets`: to
+        its shape's bucket, and padding rows after the real ones, which read one slot and write
+        nothing); the real rows' last position's logits."""
         device = self.device
         new = [len(prompts[i]) - cached[i] for i in bucket]
-        b, M = len(bucket), max(new)
-        ids = torch.full((b, M), self.pad_id, dtype=torch.long)
-        qpos = torch.zeros((b, M), dtype=torch.long)
+        b = len(bucket)
+        B, M, kv = self._shape(b, max(new), max(len(prompts[i]) for i in bucket))
+        ids = torch.full((B, M), self.pad_id, dtype=torch.long)
+        qpos = torch.zeros((B, M), dtype=torch.long)
         w_slot, w_pos, w_from = [], [], []
         for j, (i, m) in enumerate(zip(bucket, new)):
             c = cached[i]
@@ -412,12 +432,21 @@ class HFSampler:
             w_pos += range(c, c + m)
             w_from += range(j * M + M - m, j * M + M)
         self.prefill_tokens += sum(new)
-        self.prefill_pad_tokens += b * M - sum(new)
+        self.prefill_pad_tokens += B * M - sum(new)
+        self.prefill_forwards += 1
+        self.prefill_shapes.add((B, M, kv))
+        read = [slots[i] for i in bucket]
+        span = span_of(read)
+        if B > b:  # padding rows: the slots after a span where the store has them, else the scratch (or first) slot
+            if span is not None and span + B <= self.store.slots:
+                read = list(range(span, span + B))
+            else:
+                span = None
+                read += [self.store.scratch if self.store.scratch is not None else read[0]] * (B - b)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        meta = ForwardMeta(slots=t([slots[i] for i in bucket]), span=span_of([slots[i] for i in bucket]),
-                           write_slot=t(w_slot), write_pos=t(w_pos), write_from=None if b * M == len(w_from) else t(w_from),
-                           kv_len=max(len(prompts[i]) for i in bucket))
-        return self._forward(ids.to(device), qpos.to(device), meta)
+        meta = ForwardMeta(slots=t(read), span=span, write_slot=t(w_slot), write_pos=t(w_pos),
+                           write_from=None if B * M == len(w_from) else t(w_from), kv_len=kv)
+        return self._forward(ids.to(device), qpos.to(device), meta)[:b]
 
     def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """One forward of `ids` [b, M] at positions `qpos` over the slots `meta` names; the last position's logits."""
@@ -443,16 +472,30 @@ class _Anonymous:
         self.n = n
 
 
-def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25) -> list[list[int]]:
-    """Split rows sorted by length into runs that each pad at most `waste` of their real tokens
-    when padded to their longest row (and, given `fits(rows)`, stay small enough)."""
+def _length_buckets(rows: list[int], length, fits=None, waste: float = 0.25, pad_tokens: int = 0) -> list[list[int]]:
+    """Split rows sorted by length into runs that each pad at most `waste` of their real tokens, or
+    `pad_tokens` if more, when padded to their longest row (and, given `fits(rows)`, stay small enough)."""
     buckets: list[list[int]] = []
     for i in rows:
         if buckets:
             b = buckets[-1]
             total = sum(length(r) for r in b) + length(i)
-            if (len(b) + 1) * length(i) - total <= waste * total and (fits is None or fits(b + [i])):
+            if (len(b) + 1) * length(i) - total <= max(waste * total, pad_tokens) and (fits is None or fits(b + [i])):
                 b.append(i)
                 continue
         buckets.append([i])
     return buckets
+
+
+def prefill_shape(rows: int, new: int, kv: int, capacity: int) -> tuple[int, int, int]:
+    """A prefill forward's bucketed shape: rows as the decode step's batch buckets, new tokens to a
+    multiple of 16 (of 128 past 256), the KV length to the decode step's 256-position buckets
+    (never past the store's capacity). On a GPU an eager forward costs its ~1,000 launches
+    whatever its size, and SDPA's cuDNN kernel builds a plan for each shape it has not seen (~47
+    ms of host time on an H100, issue 47): a step's prefill of new observations, whose lengths
+    differ from row to row and grow every step, otherwise runs several forwards of new shapes."""
+    return batch_bucket(rows), _round_up(new, 16 if new <= 256 else 128), kv_read_bucket(kv, capacity)
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
