@@ -59,6 +59,9 @@ def test_malformed_yaml_is_one_clear_line(tmp_path):
         ("env:\n  workers: many\n", "env.workers must be auto or a number >= 0"),
         ("env:\n  workers: -1\n", "env.workers must be auto or a number >= 0"),
         ("sampling:\n  merge_adapter: sometimes\n", "sampling.merge_adapter must be bool"),
+        ("sampling:\n  prefill_buckets: maybe\n", "sampling.prefill_buckets must be auto, on or off, got 'maybe'"),
+        ("sampling:\n  prefill_buckets: off\n", r'got False: YAML reads an unquoted on/off.*quote it \("off"\)'),
+        ("sampling:\n  static_decode: on\n", r'sampling.static_decode must be str, got True.*\("on"\)'),
     ],
 )
 def test_bad_values_are_refused(tmp_path, text, message):

@@ -673,6 +673,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return [_coerce(v, item, where) for v in value]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is str and isinstance(value, bool):  # `static_decode: off` in YAML 1.1 is False, not "off"
+        raise UserError(f"{where} must be str, got {value!r}: YAML reads an unquoted on/off, yes/no or true/false as a "
+                        f"boolean; quote it (\"{'on' if value else 'off'}\")")
     if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
         raise UserError(f"{where} must be {hint.__name__}, got {value!r}")
     return value
