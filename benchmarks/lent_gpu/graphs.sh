@@ -89,6 +89,7 @@ PY
     [ -f /tmp/ev/$split.prof ] && python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(40); s.sort_stats('tottime').print_stats(25)" \
       /tmp/ev/$split.prof >> $OUT/eval-$split.log 2>&1
   done
+  E2E_RAN=1  # the ab phase compares against these evals
   echo "== train $(date +%T), $(left)s left"
   t=$(date +%s)
   timeout -k 10 $(cap $TRAIN_S) "${AG[@]}" train --config /tmp/e2e.yaml --init-adapter .dev/p3/adapter --kl-coef 50 \
@@ -98,7 +99,7 @@ PY
 }
 
 ab() {  # e2e's eval of AB_SPLIT again once per arm of AB_ARMS, each one setting changed, side by side
-  [ -f /tmp/e2e.yaml ] && [ -f /tmp/ev/$AB_SPLIT/summary.json ] || { echo "== ab skipped: e2e's eval of $AB_SPLIT did not run"; return; }
+  [ -n "$E2E_RAN" ] && [ -f /tmp/ev/$AB_SPLIT/summary.json ] || { echo "== ab skipped: e2e's eval of $AB_SPLIT did not run in this call"; return; }
   local dirs=(/tmp/ev/$AB_SPLIT) arm
   for arm in $AB_ARMS; do  # section.key=value, the value as YAML (quote on/off: YAML reads them as booleans)
     local sec=${arm%%.*} rest=${arm#*.}; local key=${rest%%=*} val=${rest#*=}
