@@ -79,7 +79,7 @@ def main() -> None:
     from agentrl.models import load_tokenizer, resolve_model
     from agentrl.rollout.plan import TOKENS_PER_STEP, expected_context_tokens
     from agentrl.sampling.compat import kv_bytes_per_token
-    from agentrl.sampling.kv import _round_up
+    from agentrl.sampling.kv import round_up
 
     summary = json.loads((args.eval_dir / "summary.json").read_text())
     cfg = load_config(None)
@@ -95,7 +95,7 @@ def main() -> None:
     max_steps = summary.get("max_steps") or 30
     estimate = expected_context_tokens(cfg, max_steps, tokenizer)
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(resolve_model(summary.get("model") or "default")), torch.float32)
-    padded = len(a) * _round_up(int(final.max()), 128) * per_token
+    padded = len(a) * round_up(int(final.max()), 128) * per_token
     planned = len(a) * estimate * per_token
     q = lambda x, p: float(np.quantile(x, p))
     out = {

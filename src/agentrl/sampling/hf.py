@@ -45,7 +45,7 @@ from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
-from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, use_slot_attention
+from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, round_up, use_slot_attention
 from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.sampling.static import StaticDecoder, decode_static, kv_read_bucket
 from agentrl.weights import WeightsRef
@@ -494,8 +494,4 @@ def prefill_shape(rows: int, new: int, kv: int, capacity: int) -> tuple[int, int
     whatever its size, and SDPA's cuDNN kernel builds a plan for each shape it has not seen (~47
     ms of host time on an H100, issue 47): a step's prefill of new observations, whose lengths
     differ from row to row and grow every step, otherwise runs several forwards of new shapes."""
-    return batch_bucket(rows), _round_up(new, 16 if new <= 256 else 128), kv_read_bucket(kv, capacity)
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
+    return batch_bucket(rows), round_up(new, 16 if new <= 256 else 128), kv_read_bucket(kv, capacity)

@@ -333,7 +333,7 @@ class SlotStore:
         if not self.hold_still or rows <= 0 or tokens <= 0:
             return
         slots = max(self.slots, batch_bucket(rows) + 1)
-        capacity = max(self.capacity, _round_up(tokens, self.grow_tokens))
+        capacity = max(self.capacity, round_up(tokens, self.grow_tokens))
         if slots * capacity * self.bytes_per_token <= (self.budget or float("inf")):
             self._resize(slots, capacity)
 
@@ -349,7 +349,7 @@ class SlotStore:
         need_len = max(lengths)
         n = len(keys)
         start = self._block(keys, n)
-        capacity = max(self.capacity, _round_up(need_len, self.grow_tokens))
+        capacity = max(self.capacity, round_up(need_len, self.grow_tokens))
         slots = self._slots_for(start, n)
         if slots * capacity * self.bytes_per_token > (self.budget or float("inf")):
             self._make_room(keys, n, capacity)
@@ -469,8 +469,8 @@ def batch_bucket(n: int) -> int:
     if n <= 8:
         return 1 << max(0, n - 1).bit_length()
     step = 8 if n <= 64 else 32
-    return _round_up(n, step)
+    return round_up(n, step)
 
 
-def _round_up(n: int, step: int) -> int:
+def round_up(n: int, step: int) -> int:
     return -(-n // step) * step
