@@ -312,3 +312,74 @@ def test_a_guarded_rollout_never_repeats_and_stays_exact(tiny_model, tokenizer, 
     for t, logp in zip(trajs, learner._logprobs([(t, 1.0) for t in trajs])):
         mask = torch.tensor(t.action_mask, dtype=torch.bool)
         assert torch.allclose(logp[mask], torch.tensor(t.logprobs)[mask], atol=1e-5)
+
+
+# ---------------------------------------------------------------- jump-forward (sampling/jump.py)
+def test_take_forced_appends_what_every_alive_command_continues_with():
+    """Commands [5 6 9], [5 7 9], [5 6 8 9] and a row whose one command [4 9] is forced to its end:
+    the first row takes 5 and stops at the choice 6/7; the second takes 4 and 9 (its stop) and is
+    done; a free row takes nothing. Taken tokens have log-prob 0."""
+    from agentrl.sampling.decode import DecodeState
+    from agentrl.sampling.jump import take_forced
+
+    sets = [CommandSet(((5, 6, 9), (5, 7, 9), (5, 6, 8, 9))), CommandSet(((4, 9),)), None]
+    state = DecodeState.start(torch.zeros((3, 12)), [0, 1, 2], [3, 3, 3], [1, 2, 3], 6, sets)
+    state.logps.fill_(-1.0)
+    t = torch.zeros(3, dtype=torch.long)
+    assert take_forced(state, t, 6, torch.tensor([9])) == 3
+    assert t.tolist() == [1, 2, 0]
+    assert state.tokens[0, :1].tolist() == [5] and state.tokens[1, :2].tolist() == [4, 9]
+    assert state.done.tolist() == [False, True, False] and state.length[1] == 2
+    assert state.logps[0, 0] == 0.0 and state.logps[1, :2].tolist() == [0.0, 0.0] and state.logps[2, 0] == -1.0
+    assert state.alive[0].tolist() == [True, True, True]
+    assert take_forced(state, t, 6, torch.tensor([9])) == 0  # the first row's next token is a choice
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_jump_forward_equals_the_token_loop(arch, tiny_model, tokenizer, temperature):
+    """Constrained rows (commands that share prefixes, one set of a single command) beside a free
+    row, two turns on the store's kept keys: the jump-forward loop writes every reply the token loop
+    writes, log-probs within 1e-5 and equal to a teacher-forced forward restricted to the allowed ids;
+    turn 2 equals a run without kept keys (a finished row's store holds only the keys it computed)."""
+    from test_sampler import _tiny
+
+    model = tiny_model if arch == "llama" else _tiny(arch, tokenizer)
+    sets = [command_set(tokenizer), command_set(tokenizer, COMMANDS[2:6]), None, command_set(tokenizer, ["look"])]
+    obs = tokenizer("You see a shelf 1 and a shelf 10.", add_special_tokens=False).input_ids
+    params = SamplingParams(temperature, 1.0, 16)
+    runs = {}
+    for name, jump, keys in (("loop", False, True), ("jump", True, True), ("fresh", True, False)):
+        sampler = HFSampler(model, tokenizer, static_decode="off", jump_forward=jump)
+        turns, ps = [], prompts(tokenizer, 4)
+        for turn in range(2):
+            reqs = [GenRequest(p, seed=10 * turn + i, key=i if keys else None, constraint=c)
+                    for i, (p, c) in enumerate(zip(ps, sets))]
+            out = sampler.generate(reqs, params)
+            turns += out
+            ps = [p + o.token_ids + obs[: 4 + i] for i, (p, o) in enumerate(zip(ps, out))]
+        runs[name] = (turns, sampler)
+    for a, b, c in zip(runs["loop"][0], runs["jump"][0], runs["fresh"][0]):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5) and b.logprobs == pytest.approx(c.logprobs, abs=1e-5)
+    for o, cs in zip(runs["jump"][0], sets * 2):
+        with torch.no_grad():
+            logits = model(torch.tensor([o.prompt_ids + o.token_ids])).logits[0, len(o.prompt_ids) - 1 : -1].float()
+        allowed = cs.allowed_along(o.token_ids) if cs else [list(range(logits.shape[-1]))] * len(o.token_ids)
+        for t, (token, ids) in enumerate(zip(o.token_ids, allowed)):
+            assert o.logprobs[t] == pytest.approx(float(logits[t, token] - torch.logsumexp(logits[t, ids], 0)), abs=1e-5)
+    assert runs["jump"][1].forced_tokens > 0 and runs["loop"][1].forced_tokens == 0
+
+
+def test_a_decided_reply_runs_no_forward(tiny_model, tokenizer):
+    """Constrained rows decode in fewer forwards than their longest reply; a row whose command is
+    the only one runs none: every token after the prefill's is taken as forced (log-prob 0)."""
+    sampler = HFSampler(tiny_model, tokenizer, static_decode="off")
+    only = sampler.generate([GenRequest(prompts(tokenizer, 1)[0], seed=1, constraint=command_set(tokenizer, ["look"]))],
+                            SamplingParams(0.0, 1.0, 24))[0]
+    assert sampler.decode_forwards == 0 and sampler.forced_tokens == len(only.token_ids) - 1
+    assert only.logprobs == [0.0] * len(only.token_ids) and only.finish_reason == "stop"
+    sets = [command_set(tokenizer), command_set(tokenizer, COMMANDS[:3])]
+    out = sampler.generate([GenRequest(p, seed=i, constraint=c) for i, (p, c) in enumerate(zip(prompts(tokenizer, 2), sets))],
+                           SamplingParams(1.0, 1.0, 24))
+    assert 0 < sampler.decode_forwards < max(len(o.token_ids) for o in out) - 1

@@ -114,6 +114,10 @@ class SamplingConfig:
     # math | flash, pinned around the sampler's calls only; a kernel the device cannot run is refused
     # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
     attention_backend: str = "auto"
+    # hf: under the admissible action space, a forced token (the one way an alive command goes on,
+    # ~81% of a reply's tokens) is taken without a forward of its own and fed with the next one
+    # (sampling/jump.py: the same replies and log-probs); the eager loop only, not the captured step
+    jump_forward: bool = True
     # hf: fresh prompts that begin alike (the system message and a task type's example: ~600-800 of
     # a first prompt's tokens in ALFWorld) run that prefix once per batch and copy its KV to the
     # others, as vLLM's prefix caching does; false runs every row's prompt whole

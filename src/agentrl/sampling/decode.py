@@ -47,6 +47,7 @@ class DecodeState:
     logits: torch.Tensor  # [len(active), V] each active row's next-token logits
     table: torch.Tensor | None = None  # [n, C, T] each row's commands' ids, -1 padded (constraint.py; None: free text)
     alive: torch.Tensor | None = None  # [n, C] the commands each row's reply still follows
+    fed: list[int] | None = None  # row -> its reply tokens whose keys are stored (jump.py; None: all but the last)
 
     @classmethod
     def start(cls, logits: torch.Tensor, slots: list[int], prompt_len: list[int], seeds: list[int],

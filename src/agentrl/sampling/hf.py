@@ -14,6 +14,9 @@ log-prob of every generated token, and KV reuse across the turns of a trajectory
   batch (masked) until a sync point (every token on a CPU, where a sync is free; every 8 on a
   GPU), where they leave it by swapping slots with running rows, so the batch stays in
   consecutive slots; results come to the host in one transfer.
+- Constrained rows (admissible actions) take their forced tokens without a forward of their own
+  and feed them with the next one (jump.py, `sampling.jump_forward`): about a fifth of the
+  forwards a reply's tokens would need, the same replies and log-probs.
 - Sampling is batched and reproducible per row (decode.py: a counter-based uniform per (seed,
   token index)), so a row's tokens never depend on its neighbours in the batch.
 - The adapter is merged into the sampler's weights (PEFT's merge): an unmerged LoRA on the seven
@@ -45,6 +48,7 @@ from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
+from agentrl.sampling.jump import decode_jump
 from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, round_up, use_slot_attention
 from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.sampling.static import StaticDecoder, decode_static, kv_read_bucket
@@ -80,7 +84,7 @@ class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
                  kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
                  static_decode: str = "auto", attention_backend: str = "auto", share_prefixes: bool = True,
-                 prefill_buckets: str = "auto"):
+                 prefill_buckets: str = "auto", jump_forward: bool = True):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -104,6 +108,10 @@ class HFSampler:
         # prefill forwards of bucketed shapes (`prefill_shape`): auto = on where CUDA is, on = also on a CPU (tests)
         self.prefill_buckets = prefill_buckets == "on" or (prefill_buckets == "auto" and param.device.type == "cuda")
         self.prefill_forwards = 0  # prefill forwards run
+        # constrained rows take their forced tokens without a forward of their own (jump.py; the eager loop only)
+        self.jump_forward = jump_forward
+        self.decode_forwards = 0  # the eager loops' forwards after the prefill (the captured step's: static.replays)
+        self.forced_tokens = 0  # tokens the jump-forward loop took without a forward of their own
         self.prefill_shapes: set[tuple[int, int, int]] = set()  # their distinct (rows, new tokens, KV length)
         self.prefill_tokens = 0  # prompt tokens run through the model (not counting reused ones)
         self.reused_tokens = 0  # prompt tokens served from a kept KV cache
@@ -128,7 +136,8 @@ class HFSampler:
         return cls(model, tokenizer, batch_size=cfg.sampling.batch_size, adapter=cfg.model.adapter,
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
                    static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend,
-                   share_prefixes=cfg.sampling.share_prefixes, prefill_buckets=cfg.sampling.prefill_buckets)
+                   share_prefixes=cfg.sampling.share_prefixes, prefill_buckets=cfg.sampling.prefill_buckets,
+                   jump_forward=cfg.sampling.jump_forward)
 
     @property
     def device(self) -> torch.device:
@@ -256,7 +265,8 @@ class HFSampler:
                 "bytes_per_token": s.bytes_per_token, "dropped": s.dropped, "reallocations": s.storage.generation,
                 "decode_steps_built": self.static.built if self.static else None,
                 "prefill_forwards": self.prefill_forwards, "prefill_shapes": len(self.prefill_shapes),
-                "prefill_tokens": self.prefill_tokens, "prefill_pad_tokens": self.prefill_pad_tokens}
+                "prefill_tokens": self.prefill_tokens, "prefill_pad_tokens": self.prefill_pad_tokens,
+                "decode_forwards": self.decode_forwards, "forced_tokens_jumped": self.forced_tokens}
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
@@ -323,6 +333,8 @@ class HFSampler:
         every = self.sync_every or (1 if device.type == "cpu" else 8)  # a host sync is free on a CPU
         if self.static is not None and state.span is not None and self._serves_merged():
             return decode_static(self, state, params, every)
+        if self.jump_forward and state.table is not None:
+            return decode_jump(self, state, params, stop)
         for t in range(T):
             decode_step(state, t, params, stop)
             if t == T - 1:
@@ -334,6 +346,7 @@ class HFSampler:
                     break
                 if len(alive) < len(state.active) and (device.type == "cpu" or len(alive) <= len(state.active) // 2):
                     compact(state, alive, self.store, state.longest + t)
+            self.decode_forwards += 1
             state.logits = self._forward(state.last[state.act][:, None], (state.pos[state.act] + t)[:, None],
                                          state.forward_meta(t))
 
@@ -344,7 +357,8 @@ class HFSampler:
             m = int(length[r])
             ids = tokens[r, :m].tolist()
             reason = "stop" if ids[-1] in self.stop_ids else "length"
-            self.store.hold(names[i], list(prompts[i]) + ids[:-1])  # the last token's keys are not computed yet
+            stored = m - 1 if state.fed is None else state.fed[r]  # the last token's keys are not computed yet
+            self.store.hold(names[i], list(prompts[i]) + ids[:stored])
             out[i] = Completion(prompt_ids=list(prompts[i]), token_ids=ids, logprobs=logps[r, :m].tolist(),
                                 text=self.tokenizer.decode(ids, skip_special_tokens=True), finish_reason=reason,
                                 adapter_version=self.adapter_version)
