@@ -12,6 +12,9 @@ model for one epoch of those steps (the arms take turns, step by step: a shared 
     packed-bucket  the same budget, packed
     padded-auto    tokens_per_microbatch auto (from free memory), one example per row, padded
     packed-auto    tokens_per_microbatch auto (from free memory), packed
+    packed-auto-bf16  the same under learner.autocast bf16 (fp32 weights; on a CPU with bf16 matmuls)
+
+Each arm also prints its epoch's train NLL (the arms' agreement).
 
 Usage:
     python benchmarks/bench_sft.py                                  # 40 games, the default model
@@ -36,20 +39,23 @@ from agentrl.train.memory import tokens_per_microbatch
 from agentrl.train.sft import (example_micro_batches, expert_dataset, micro_batches, nll_loss, optimizer_steps,
                                select_games, sft_learner, sft_prompt)
 
-ARMS = {"padded-bucket": ("budget", False), "packed-bucket": ("budget", True), "padded-auto": ("auto", False),
-        "packed-auto": ("auto", True)}
+ARMS = {"padded-bucket": ("budget", False, "auto"), "packed-bucket": ("budget", True, "auto"),
+        "padded-auto": ("auto", False, "auto"), "packed-auto": ("auto", True, "auto"),
+        "packed-auto-bf16": ("auto", True, "bf16")}
 
 
 class Arm:
     """One arm's learner (a fresh LoRA on a fresh copy of the model) and its running totals."""
 
-    def __init__(self, cfg, base, tokens, packing: bool):
+    def __init__(self, cfg, base, tokens, packing: bool, autocast: str):
         self.cfg = copy.deepcopy(cfg)
-        self.cfg.learner = dataclasses.replace(cfg.learner, tokens_per_microbatch=tokens, packing=packing)
+        self.cfg.learner = dataclasses.replace(cfg.learner, tokens_per_microbatch=tokens, packing=packing, autocast=autocast)
         self.learner = sft_learner(self.cfg, copy.deepcopy(base))
         self.budget = tokens_per_microbatch(tokens, self.learner.model, self.learner.device, False)
         self.seconds = 0.0
         self.computed = self.real = self.parts = 0
+        self.nll_sum = 0.0  # the epoch's train NLL (summed over reply tokens): the arms' agreement
+        self.reply_tokens = 0
 
     def step(self, step_examples) -> None:
         mbs = example_micro_batches(self.learner, step_examples)
@@ -60,14 +66,16 @@ class Arm:
         self.parts += len(mbs)
         n_tokens = sum(e.reply_tokens for e in step_examples)
         t0 = time.perf_counter()
-        self.learner.step(mbs, nll_loss(self.learner, step_examples, n_tokens), self.cfg.sft.grad_clip)
+        result = self.learner.step(mbs, nll_loss(self.learner, step_examples, n_tokens), self.cfg.sft.grad_clip)
         self.seconds += time.perf_counter() - t0
+        self.nll_sum += sum(result.values)
+        self.reply_tokens += n_tokens
 
 
 def run_arms(cfg, base, examples, batch_games: int, arms: list[str]) -> dict[str, Arm]:
     """One epoch of the recipe's steps per arm, the arms taking turns step by step (a shared,
     noisy CPU slows them alike)."""
-    out = {a: Arm(cfg, base, cfg.sft.token_budget if ARMS[a][0] == "budget" else "auto", ARMS[a][1]) for a in arms}
+    out = {a: Arm(cfg, base, cfg.sft.token_budget if ARMS[a][0] == "budget" else "auto", *ARMS[a][1:]) for a in arms}
     order = micro_batches(examples, cfg.sft.token_budget)
     random.Random(cfg.seed).shuffle(order)
     for pending in optimizer_steps(order, batch_games):
@@ -97,7 +105,7 @@ def main() -> int:
     batch_games = [int(b) for b in args.batch_games.split(",")] if args.batch_games else [cfg.sft.batch_games]
     for bg in batch_games:
         print(f"\nsft.batch_games {bg}, sft.token_budget {cfg.sft.token_budget}:")
-        print(f"  {'arm':14} {'steps':>5} {'micro':>5} {'budget':>7} {'s':>7} {'ex/s':>6} {'tok/s':>7} {'computed/real':>13} {'x first':>7}")
+        print(f"  {'arm':14} {'steps':>5} {'micro':>5} {'budget':>7} {'s':>7} {'ex/s':>6} {'tok/s':>7} {'computed/real':>13} {'train NLL':>9} {'x first':>7}")
         arms = run_arms(cfg, model, examples, bg, args.arms.split(","))
         first = None
         for name, r in arms.items():
@@ -105,7 +113,7 @@ def main() -> int:
             first = first or rate
             print(f"  {name:14} {len(optimizer_steps(micro_batches(examples, cfg.sft.token_budget), bg)):5} {r.parts:5} "
                   f"{r.budget:>7} {r.seconds:7.1f} {rate:6.2f} {r.real / r.seconds:7.0f} {r.computed / r.real:13.3f} "
-                  f"{rate / first:7.2f}", flush=True)
+                  f"{r.nll_sum / r.reply_tokens:9.4f} {rate / first:7.2f}", flush=True)
     return 0
 
 
