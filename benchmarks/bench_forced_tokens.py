@@ -1,7 +1,7 @@
 """How many reply tokens the admissible action space forces (a script, not a test): the walkthrough
 commands of a config's warm-start games, each against the admissible commands of the step it was
 sent at, tokenised as the sampler constrains a reply (`Action: <command><end of turn>`,
-`ModelPolicy._reply_ids`). A token is forced where every command still alive continues with it:
+`ChatRenderer.command_reply`). A token is forced where every command still alive continues with it:
 the token loop runs a forward for it, jump-forward (`sampling.jump_forward`, sampling/jump.py) does
 not. Prints tokens per reply, the forced share, the choices per reply (a histogram), and the
 forwards a reply needs after the prefill in each loop (token loop: its length less one; jump-forward:
@@ -22,7 +22,7 @@ import sys
 from agentrl.config import load_config
 from agentrl.env.replay import REPLAY_DIRNAME, Replay, ReplayCache, replay_key
 from agentrl.models import cache_root, load_tokenizer
-from agentrl.prompt import ChatRenderer, reply_text
+from agentrl.prompt import ChatRenderer
 from agentrl.sampling.constraint import CommandSet
 from agentrl.train.sft import select_games
 
@@ -34,7 +34,7 @@ def main() -> int:
     args = ap.parse_args()
     cfg = load_config(args.config)
     renderer = ChatRenderer(load_tokenizer(cfg.model.name))
-    ids = lambda c: tuple(renderer.encode(reply_text(c, "action")) + renderer.end_of_turn_ids)  # noqa: E731
+    ids = lambda c: tuple(renderer.command_reply(c))  # noqa: E731
     cache = ReplayCache(cache_root() / REPLAY_DIRNAME)
     games = select_games(cfg, cfg.sft.split, args.games or cfg.sft.games)
     replies = tokens = forced = loop_forwards = jump_forwards = missing = outside = 0

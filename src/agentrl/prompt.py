@@ -117,6 +117,11 @@ class ChatRenderer:
         """Ids of the end-of-turn token a sampler stops on (written after a reply), [] if none."""
         return self.encode(self._eos_text) if self._eos_text else []
 
+    def command_reply(self, command: str) -> list[int]:
+        """The ids of the reply that is `command` (`Action: <command>`, then the end-of-turn token):
+        what the warm start teaches, and what the admissible action space lets a reply be."""
+        return self.encode(reply_text(command, "action")) + self.end_of_turn_ids
+
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 

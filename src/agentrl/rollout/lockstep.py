@@ -98,7 +98,7 @@ class ModelPolicy:
         """The ids of the reply that is `command`: what the warm start teaches (sft's ExpertSampler)."""
         ids = self._command_ids.get(command)
         if ids is None:
-            ids = tuple(self.renderer.encode(reply_text(command, "action")) + self.renderer.end_of_turn_ids)
+            ids = tuple(self.renderer.command_reply(command))
             self._command_ids[command] = ids
         return ids
 

@@ -49,7 +49,7 @@ from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
 from agentrl.sampling.decode import DecodeState, compact, decode_step, row_uniforms, span_of
 from agentrl.sampling.jump import decode_jump
-from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, round_up, use_slot_attention
+from agentrl.sampling.kv import ForwardMeta, SlotStore, SlotView, batch_bucket, left_padded, round_up, use_slot_attention
 from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.sampling.static import StaticDecoder, decode_static, kv_read_bucket
 from agentrl.weights import WeightsRef
@@ -431,20 +431,9 @@ class HFSampler:
         """One forward of a bucket's new tokens, left-padded to its longest (with `prefill_buckets`: to
         its shape's bucket, and padding rows after the real ones, which read one slot and write
         nothing); the real rows' last position's logits."""
-        device = self.device
         new = [len(prompts[i]) - cached[i] for i in bucket]
         b = len(bucket)
         B, M, kv = self._shape(b, max(new), max(len(prompts[i]) for i in bucket))
-        ids = torch.full((B, M), self.pad_id, dtype=torch.long)
-        qpos = torch.zeros((B, M), dtype=torch.long)
-        w_slot, w_pos, w_from = [], [], []
-        for j, (i, m) in enumerate(zip(bucket, new)):
-            c = cached[i]
-            ids[j, M - m:] = torch.tensor(prompts[i][c:])
-            qpos[j, M - m:] = torch.arange(c, c + m)
-            w_slot += [slots[i]] * m
-            w_pos += range(c, c + m)
-            w_from += range(j * M + M - m, j * M + M)
         self.prefill_tokens += sum(new)
         self.prefill_pad_tokens += B * M - sum(new)
         self.prefill_forwards += 1
@@ -457,10 +446,8 @@ class HFSampler:
             else:
                 span = None
                 read += [self.store.scratch if self.store.scratch is not None else read[0]] * (B - b)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        meta = ForwardMeta(slots=t(read), span=span, write_slot=t(w_slot), write_pos=t(w_pos),
-                           write_from=None if B * M == len(w_from) else t(w_from), kv_len=kv)
-        return self._forward(ids.to(device), qpos.to(device), meta)[:b]
+        rows = [(slots[i], prompts[i][cached[i]:], cached[i]) for i in bucket]
+        return self._forward(*left_padded(rows, (B, M), self.pad_id, read, span, kv, self.device))[:b]
 
     def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """One forward of `ids` [b, M] at positions `qpos` over the slots `meta` names; the last position's logits."""

@@ -29,15 +29,13 @@ import torch
 from agentrl.sampling.base import SamplingParams
 from agentrl.sampling.constraint import advance
 from agentrl.sampling.decode import DecodeState, compact, decode_step
-from agentrl.sampling.kv import ForwardMeta
+from agentrl.sampling.kv import left_padded
 
 
 def take_forced(state: DecodeState, t: torch.Tensor, T: int, stop: torch.Tensor) -> int:
     """Append every forced token at the active rows' next indices `t` [n] (advanced in place): a
     token is forced where every alive command of the row continues with it. Log-prob 0, the
     commands advanced and the stop checked as `decode_step` does. Returns how many were taken."""
-    if state.table is None:
-        return 0
     act, taken = state.act, 0
     for _ in range(T):
         at = t[act]
@@ -66,11 +64,10 @@ def take_forced(state: DecodeState, t: torch.Tensor, T: int, stop: torch.Tensor)
 def decode_jump(sampler, state: DecodeState, params: SamplingParams, stop: torch.Tensor) -> None:
     """`HFSampler._decode`'s token loop with forced tokens jumped (module docstring): choose, take
     what is forced, then one forward of every unfinished row's new tokens; until every row stopped
-    or reached max_new_tokens. Leaves `state.fed`: each row's reply tokens whose keys are stored."""
-    T, device, store = params.max_new_tokens, state.logits.device, sampler.store
-    n = len(state.order)
-    t = torch.zeros(n, dtype=torch.long, device=device)  # each row's next token index
-    fed = [0] * n
+    or reached max_new_tokens. `state.fed`: each row's reply tokens whose keys are stored."""
+    T, store = params.max_new_tokens, sampler.store
+    t = torch.zeros(len(state.order), dtype=torch.long, device=state.logits.device)  # each row's next token index
+    fed = state.fed = [0] * len(state.order)
     while True:
         decode_step(state, t[state.act], params, stop)
         t[state.act] += 1
@@ -78,35 +75,16 @@ def decode_jump(sampler, state: DecodeState, params: SamplingParams, stop: torch
         done, at = state.done.tolist(), t.tolist()
         running = [r for r in state.active if not done[r] and at[r] < T]
         if not running:
-            break
+            return
         if len(running) < len(state.active):  # every row's computed keys move with it
             compact(state, running, store, max(state.prompt_len[r] + fed[r] for r in state.active))
-        state.logits = _forward_new(sampler, state, fed, at)
+        tokens = state.tokens[state.act].tolist()
+        rows = [(state.row_slots[r], tokens[j][fed[r]:at[r]], state.prompt_len[r] + fed[r])
+                for j, r in enumerate(state.active)]
+        shape = (len(rows), max(len(new) for _, new, _ in rows))
+        kv_len = max(state.prompt_len[r] + at[r] for r in state.active)
+        sampler.decode_forwards += 1
+        state.logits = sampler._forward(*left_padded(rows, shape, sampler.pad_id, state.act_slots, state.span, kv_len,
+                                                     state.logits.device))
         for r in state.active:
             fed[r] = at[r]
-    state.fed = fed
-
-
-def _forward_new(sampler, state: DecodeState, fed: list[int], at: list[int]) -> torch.Tensor:
-    """One forward of each active row's reply tokens fed[r]:at[r] (left-padded to the most), written
-    at their positions; the logits at each row's last one."""
-    device, rows = state.logits.device, state.active
-    new = [at[r] - fed[r] for r in rows]
-    M = max(new)
-    tokens = state.tokens[state.act].tolist()
-    ids = torch.full((len(rows), M), sampler.pad_id, dtype=torch.long)
-    qpos = torch.zeros((len(rows), M), dtype=torch.long)
-    w_slot, w_pos, w_from = [], [], []
-    for j, (r, m) in enumerate(zip(rows, new)):
-        start = state.prompt_len[r] + fed[r]
-        ids[j, M - m:] = torch.tensor(tokens[j][fed[r]:at[r]])
-        qpos[j, M - m:] = torch.arange(start, start + m)
-        w_slot += [state.row_slots[r]] * m
-        w_pos += range(start, start + m)
-        w_from += range(j * M + M - m, j * M + M)
-    sampler.decode_forwards += 1
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    meta = ForwardMeta(slots=state.act_slots, span=state.span, write_slot=t(w_slot), write_pos=t(w_pos),
-                       write_from=None if len(w_from) == len(rows) * M else t(w_from),
-                       kv_len=max(state.prompt_len[r] + at[r] for r in rows))
-    return sampler._forward(ids.to(device), qpos.to(device), meta)

@@ -112,6 +112,29 @@ class ForwardMeta:
     kv_len: int
 
 
+def left_padded(rows: list[tuple[int, list[int], int]], shape: tuple[int, int], pad_id: int, read, span: int | None,
+                kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor, ForwardMeta]:
+    """A forward of several rows' new tokens, each row `(slot, tokens, position of its first)`
+    left-padded to M of `shape` [B, M] (rows past len(rows): all pads). Pads come first, at position
+    0, and are never written (the mask then hides them from every real token). Returns the ids and
+    positions [B, M] on `device` and the forward's metadata (reading the slots `read`)."""
+    B, M = shape
+    ids = torch.full((B, M), pad_id, dtype=torch.long)
+    qpos = torch.zeros((B, M), dtype=torch.long)
+    w_slot, w_pos, w_from = [], [], []
+    for j, (slot, tokens, start) in enumerate(rows):
+        m = len(tokens)
+        ids[j, M - m:] = torch.tensor(tokens, dtype=torch.long)
+        qpos[j, M - m:] = torch.arange(start, start + m)
+        w_slot += [slot] * m
+        w_pos += range(start, start + m)
+        w_from += range(j * M + M - m, j * M + M)
+    t = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    meta = ForwardMeta(slots=t(read), span=span, write_slot=t(w_slot), write_pos=t(w_pos),
+                       write_from=None if B * M == len(w_from) else t(w_from), kv_len=kv_len)
+    return ids.to(device), qpos.to(device), meta
+
+
 class KVStorage:
     """The key and value tensors, [slots, kv_heads, capacity, head_dim] per layer (module docstring)."""
 
