@@ -7,8 +7,15 @@
    game's translation kept there, as for a game any earlier process loaded).
 2. Env steps per second: B x G envs stepping their walkthroughs in lockstep batches, in this
    process vs an EnvPool of N worker processes (same actions, same results).
+3. The time of one env step, three arms in fresh subprocesses on the same games and actions (each
+   game's walkthrough, then a seeded random walk of admissible commands): textworld's own code
+   (AGENTRL_NO_GAME_CACHE=1), agentrl's game caches alone (as before 2026-12-02), and the caches
+   with the cheap derivation (`_install_cheap_derivation`, the default). Each arm prints a digest
+   of everything a player saw (observations, admissible lists, wins); --check exits 1 unless all
+   three agree. `--steps-only` runs only this part.
 
 Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3] [--workers N]
+       python benchmarks/bench_env.py --steps-only --step-games 0 --check   # every held-out game
 """
 
 from __future__ import annotations
@@ -38,6 +45,66 @@ for game in discover_games("valid_seen", None, limit=n):
         e.close()
 print(json.dumps(out))
 """
+
+
+STEP_ARM = """
+import hashlib, json, random, sys, time
+name, limit, walk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])  # read first: the engine's imports rewrite sys.argv
+import agentrl.env.alfworld as alfworld
+from agentrl.env.data import discover_games
+if name == "caches":
+    alfworld._install_cheap_derivation = lambda: None  # the caches as they were before it
+games = [g for split in ("valid_seen", "valid_unseen") for g in discover_games(split, None)]
+games = games if limit == 0 else games[:: max(1, len(games) // limit)][:limit]  # spread over both splits
+digest, steps, step_s, t0 = hashlib.sha256(), 0, 0.0, time.perf_counter()
+for i, game in enumerate(games):
+    rng = random.Random(i)
+    for plan in (game.walkthrough, None):  # the walkthrough, then a random walk from a fresh reset
+        env = alfworld.AlfworldEnv(game)
+        r = env.reset()
+        digest.update(repr((r.observation, r.admissible)).encode())
+        for t in range(len(plan) if plan else walk):
+            command = plan[t] if plan else rng.choice(r.admissible)
+            t1 = time.perf_counter()
+            r = env.step(command)
+            step_s += time.perf_counter() - t1
+            steps += 1
+            digest.update(repr((command, r.observation, r.admissible, r.won)).encode())
+            if r.done:
+                break
+        env.close()
+print(json.dumps({"games": len(games), "steps": steps, "step_s": step_s, "wall_s": time.perf_counter() - t0,
+                  "digest": digest.hexdigest()}))
+"""
+
+STEP_ARMS = {"textworld": "textworld's own code", "caches": "the game caches alone (before)",
+             "cheap": "the caches + the cheap derivation (default)"}
+
+
+def step_arm(name: str, games: int, walk: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_NO_GAME_CACHE"}
+    env |= {"AGENTRL_NO_GAME_CACHE": "1"} if name == "textworld" else {}
+    proc = subprocess.run([sys.executable, "-c", STEP_ARM, name, str(games), str(walk)], capture_output=True,
+                          text=True, env=env)
+    if proc.returncode:
+        sys.exit(f"step arm {name} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def step_arms(games: int, walk: int, check: bool) -> None:
+    rows = {name: step_arm(name, games, walk) for name in STEP_ARMS}
+    print(f"one env step, {rows['cheap']['games']} held-out games, each walkthrough then a random walk of up to "
+          f"{walk} admissible commands ({rows['cheap']['steps']} steps per arm):")
+    for name, r in rows.items():
+        print(f"  {STEP_ARMS[name]:<46} {1000 * r['step_s'] / r['steps']:7.2f} ms a step  (arm wall "
+              f"{r['wall_s']:.1f} s)  digest {r['digest'][:16]}")
+    per = {name: r["step_s"] / r["steps"] for name, r in rows.items()}
+    print(f"  the cheap derivation: {per['caches'] / per['cheap']:.2f}x faster than the caches alone, "
+          f"{per['textworld'] / per['cheap']:.2f}x faster than textworld's own")
+    same = len({r["digest"] for r in rows.values()}) == 1 and len({r["steps"] for r in rows.values()}) == 1
+    print(f"  what a player saw: {'identical in all three arms' if same else 'DIFFERENT between arms'}")
+    if check and not same:
+        sys.exit(1)
 
 
 def arm(group_size: int, games: int, cached: bool, cache_root: str) -> list[dict]:
@@ -75,7 +142,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--games", type=int, default=3)
     ap.add_argument("--workers", type=int, default=os.cpu_count())
+    ap.add_argument("--step-games", type=int, default=6, help="held-out games for the env-step arms (0: all 274)")
+    ap.add_argument("--walk", type=int, default=15, help="random admissible commands after each walkthrough")
+    ap.add_argument("--steps-only", action="store_true", help="only the env-step arms")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the env-step arms saw the same")
     a = ap.parse_args()
+    if a.steps_only:
+        step_arms(a.step_games, a.walk, a.check)
+        return
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; G={a.group_size}, "
           f"{a.games} valid_seen games (first env of each game pays the translation; the rest reuse it)")
     import tempfile
@@ -103,6 +177,7 @@ def main() -> None:
     pooled, _ = steps_per_second(games, 4, a.workers)
     print(f"env steps per second, {len(games)} games x G=4 ({n} steps of walkthroughs): one process {local:.1f}/s, "
           f"pool of {a.workers} workers {pooled:.1f}/s: {pooled / local:.2f}x")
+    step_arms(a.step_games, a.walk, a.check)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,66 @@ def test_envs_of_one_game_are_cheap_independent_and_identical_to_uncached(games)
         env.close()
 
 
+WALKS = """
+import json, random, sys
+walk, paths = int(sys.argv[1]), sys.argv[2:]  # read first: the engine's imports rewrite sys.argv
+from agentrl.env.data import read_game
+from agentrl.env.alfworld import AlfworldEnv
+from pathlib import Path
+seen = []
+for i, path in enumerate(paths):
+    game, rng = read_game(Path(path), "valid_seen"), random.Random(i)
+    for plan in (game.walkthrough, None):
+        env = AlfworldEnv(game)
+        r = env.reset()
+        seen.append([r.observation, r.admissible])
+        for t in range(len(plan) if plan else walk):
+            command = plan[t] if plan else rng.choice(r.admissible)
+            r = env.step(command)
+            seen.append([command, r.observation, r.admissible, r.won])
+            if r.done:
+                break
+        env.close()
+print(json.dumps(seen))
+"""
+
+
+def test_the_cheap_derivation_sees_what_textworld_sees(games):
+    """Deriving a step's text without textworld's deep copies (`_install_cheap_derivation`)
+    changes nothing a player sees: on real games of four task types, each walkthrough and a
+    seeded random walk of admissible commands (open, take, heat, cool, clean, toggle: states the
+    walkthrough never reaches) give the same observations, admissible lists and wins as
+    textworld's own code (a subprocess with AGENTRL_NO_GAME_CACHE=1); and the memoised parse
+    hands each caller symbols of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from textworld.envs.pddl import textgen
+
+    picked = ["pick_cool_then_place_in_recep", "pick_clean_then_place_in_recep", "look_at_obj_in_light",
+              "pick_two_obj_and_place"]
+    args = ["20"] + [str(games[t].path) for t in picked]
+
+    def walks(env: dict) -> list:
+        proc = subprocess.run([sys.executable, "-c", WALKS, *args], capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    ours = walks({k: v for k, v in os.environ.items() if k != "AGENTRL_NO_GAME_CACHE"})
+    theirs = walks(os.environ | {"AGENTRL_NO_GAME_CACHE": "1"})
+    assert len(ours) > 4 * 20 and ours == theirs
+    assert sum(1 for s in ours if len(s) == 4 and s[3]) >= 4  # every walkthrough won
+
+    AlfworldEnv(games["look_at_obj_in_light"]).close()  # installs the caches in this process
+    template = "go to [{r.name | receptacleatlocation(r:receptacle, lend:location)}]"
+    a, b = (textgen._parse_and_convert(template, rule_name="symbols") for _ in range(2))
+    assert [type(x) for x in a] == [textgen.TerminalSymbol, textgen.ListSymbol]
+    assert a[1] is not b[1] and a[1].symbol is not b[1].symbol  # nested symbols copied too
+    a[1].symbol.context = {"state": None}
+    assert b[1].symbol.context == {}  # one caller's context is not another's
+
+
 def test_a_closed_envs_planner_library_is_reused_not_kept(games):
     """textworld loads a 34 MB copy of fast_downward's library per env and never unloads it (its
     file, deleted, stays allocated while mapped: a long-lived worker filled the disk). A closed
@@ -235,3 +295,37 @@ def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games
     assert memory["peak_rss_bytes"] > memory["kv_peak_bytes"] and memory["env_workers_peak_rss_bytes"] == 0
     with Generator(load_config(None, {"env.workers": 0, "eval.policy": "walkthrough"}), walkthrough=True) as gen:
         assert gen.evaluate(chosen, "valid_seen", 2).memory is None
+
+
+KEPT = """
+import sys
+from pathlib import Path
+from agentrl.env.alfworld import kept_translations
+from agentrl.env.data import read_game
+games = [read_game(Path(p), "valid_seen") for p in sys.argv[1:]]
+print("\\n".join(str(p) for p in kept_translations(games)))
+"""
+
+
+def test_kept_translations_names_the_files_a_load_reads(games, tmp_path):
+    """The translations a lent machine is handed (`kept_translations`, packed by
+    benchmarks/lent_gpu/prepare.sh) are the files an env's load reads: on an empty cache root a
+    game is translated once and its two files named; asked again, nothing is translated."""
+    import os
+    import subprocess
+    import sys
+
+    paths = [str(games[t].path) for t in ("look_at_obj_in_light", "pick_and_place_simple")]
+    env = os.environ | {"AGENTRL_CACHE": str(tmp_path)}
+    env.pop("AGENTRL_NO_GAME_CACHE", None)
+
+    def kept() -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", KEPT, *paths], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    first = kept()
+    on_disk = sorted(str(p) for p in (tmp_path / "pddl2sas").rglob("*.pkl.z"))
+    assert len(first) == 4 and sorted(first) == on_disk  # two translations a game (plain, optimised)
+    stamps = {p: os.stat(p).st_mtime_ns for p in first}
+    assert kept() == first and {p: os.stat(p).st_mtime_ns for p in first} == stamps  # read, not rewritten

@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 test -d /tmp/site/vllm || { echo "no vLLM on this machine: run install_vllm.sh (carrying .dev/v1, .dev/v2) first"; exit 3; }
 test -d /tmp/st/cache/models || { echo "no prepared model on this machine: run stash.sh and install.sh first"; exit 3; }
 test -d .dev/p3/adapter || { echo "no adapter carried: prepare.sh ADAPTER_DIR"; exit 2; }
-mkdir -p /tmp/data && tar -C /tmp/site -xJf .dev/p3/fast_downward.tar.xz && tar -C /tmp/data -xJf .dev/p3/games.tar.xz
+bash benchmarks/lent_gpu/unpack.sh
 source benchmarks/lent_gpu/env.sh
 echo "== doctor $(date +%T)"
 agentrl doctor > $OUT/doctor.txt 2>&1; grep -i -E "vllm|torch|cuda" $OUT/doctor.txt

@@ -32,7 +32,7 @@ cap() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }  # a phase's cap, nev
 cd "$(dirname "$0")/../.."
 if [ -z "$DRY" ]; then
   test -d /tmp/st/cache/models || { echo "no prepared model on this machine: run stash.sh and install.sh first"; exit 3; }
-  mkdir -p /tmp/site /tmp/data && tar -C /tmp/site -xJf .dev/p3/fast_downward.tar.xz && tar -C /tmp/data -xJf .dev/p3/games.tar.xz
+  bash benchmarks/lent_gpu/unpack.sh
   source benchmarks/lent_gpu/env.sh
   DECODE_ARGS=""; ATTENTION_ARGS=""
 else  # the CPU here, the venv's python, the prepared model and games where they are

@@ -8,7 +8,7 @@ T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) - 20 )); }
 cd "$(dirname "$0")/../.."
 test -d /tmp/st/cache/models || { echo "no prepared model on this machine: run stash.sh and install.sh first"; exit 3; }
 test -d .dev/p3/adapter || { echo "no adapter carried: prepare.sh ADAPTER_DIR"; exit 2; }
-mkdir -p /tmp/site /tmp/data && tar -C /tmp/site -xJf .dev/p3/fast_downward.tar.xz && tar -C /tmp/data -xJf .dev/p3/games.tar.xz
+bash benchmarks/lent_gpu/unpack.sh
 source benchmarks/lent_gpu/env.sh
 rm -rf /tmp/r1 /tmp/ev && mkdir -p /tmp/ev
 { nvidia-smi; lscpu | grep -E "Model name|^CPU\(s\)"; } > $OUT/machine.txt 2>&1

@@ -16,7 +16,7 @@ T0=$(date +%s); now() { echo $(( $(date +%s) - T0 )); }; left() { echo $(( BUDGE
 cd "$(dirname "$0")/../.."
 test -d /tmp/st/cache/models || { echo "no prepared model on this machine: run stash.sh and install.sh first"; exit 3; }
 test -f .dev/p4/alfworld-full.tar.xz || { echo "no full data set carried: prepare_full.sh, then carry .dev/p4"; exit 2; }
-mkdir -p /tmp/site /tmp/data /tmp/rc && tar -C /tmp/site -xJf .dev/p3/fast_downward.tar.xz && tar -C /tmp/data -xJf .dev/p3/games.tar.xz
+mkdir -p /tmp/rc && bash benchmarks/lent_gpu/unpack.sh
 cp .dev/p4/alfworld-full.tar.xz .dev/p4/alfworld-full.sh /tmp/data/ && cp .dev/p4/SHA256SUMS /tmp/data/alfworld/  # valid_* come from there
 DATA=$(bash /tmp/data/alfworld-full.sh /tmp/data/alfworld-full 2>>$OUT/recipe.log) || { echo "unpacking the games failed"; exit 1; }
 source benchmarks/lent_gpu/env.sh
