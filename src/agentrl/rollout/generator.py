@@ -193,7 +193,7 @@ class Generator:
 
     def _reserve(self, rows: int, max_steps: int) -> None:
         """Tell the sampler the plan before a lockstep run: `rows` trajectories of up to the expected
-        tokens of `max_steps` steps (its KV store then holds still under captured decode steps)."""
+        tokens of `max_steps` steps (its KV store is then sized once, not grown and copied as the rows grow)."""
         if self.sampler is not None and self.cfg.env.kind == "alfworld":
             self.sampler.reserve(rows, expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer))
 

@@ -254,8 +254,8 @@ class HFSampler:
         return int(self.store.budget // max(1, tokens_per_row * self.store.bytes_per_token)) if self.store.budget else 1 << 30
 
     def reserve(self, rows: int, tokens_per_row: int) -> None:
-        """The store sized once for the plan where it holds still (the captured decode step's: every
-        reallocation drops and recaptures every graph); elsewhere it grows with the sequences."""
+        """The store sized once for the plan (`SlotStore.reserve`: a reallocation drops the captured
+        graphs, and on a CPU copies the whole store); rows past the plan grow it."""
         self.store.reserve(rows, tokens_per_row)
 
     def kv_memory(self) -> dict:
@@ -285,7 +285,9 @@ class HFSampler:
             seeds = [d if s is None else s for s, d in zip(seeds, drawn)]
         names = self._names([r.key for r in requests])
         self.store.calls += 1
-        self.store.release([k for k in self.store.stale() if k not in set(names)])
+        stale = [k for k in self.store.stale() if k not in set(names)]
+        if stale:  # (an empty release would give back a store reserved for this very batch)
+            self.store.release(stale)
         out: list[Completion] = []
         try:
             # reused_heap: each token step's transient tensors come from the heap, not a fresh mmap (procmem.py)

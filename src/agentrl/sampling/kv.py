@@ -349,13 +349,17 @@ class SlotStore:
         return [k for k, c in self.used.items() if self.calls - c >= 3]
 
     def reserve(self, rows: int, tokens: int) -> None:
-        """A store that holds still takes, now, the size a batch of `rows` rows of up to `tokens`
-        tokens each needs (the bucket's padding rows and the scratch slot included), so it is not
-        reallocated as those rows grow. Within the budget only (past it the store grows as
-        before); never smaller than it is; a no-op for a store that does not hold still."""
-        if not self.hold_still or rows <= 0 or tokens <= 0:
+        """Take, now, the size a batch of `rows` rows of up to `tokens` tokens each needs (a store
+        that holds still: the bucket's padding rows and the scratch slot included), so the store is
+        not reallocated as those rows grow: under a captured decode step every reallocation drops
+        the graphs, and on a CPU each one costs a fresh allocation and a copy of the whole store
+        (~1.6 GB/s on the 2-core machine: 46 of a 12-step 140-game eval's 449 s of generation
+        went to 11 of them, docs/measurements/sampler.md). The plan is what the run was checked
+        to fit before it started (`rollout.plan.check_kv_fits`). Within the budget only (past it
+        the store grows as before); never smaller than it is."""
+        if rows <= 0 or tokens <= 0:
             return
-        slots = max(self.slots, batch_bucket(rows) + 1)
+        slots = max(self.slots, batch_bucket(rows) + 1 if self.hold_still else rows)
         capacity = max(self.capacity, round_up(tokens, self.grow_tokens))
         if slots * capacity * self.bytes_per_token <= (self.budget or float("inf")):
             self._resize(slots, capacity)
