@@ -170,6 +170,42 @@ def test_the_cheap_derivation_sees_what_textworld_sees(games):
     assert b[1].symbol.context == {}  # one caller's context is not another's
 
 
+def test_the_cheap_queries_keep_textworlds_order(games):
+    """`_install_cheap_queries` sorts a signature's facts with a key compared in C and chains the
+    state's facts in C: on a real game's state a few walkthrough commands in, every signature's
+    facts come in the order textworld's `Proposition.__lt__` gives and the state's facts in the
+    order its own generator yields; so do constructed facts whose arguments differ only in type
+    or in number. The installed textworld is the one the replaced method was copied from (else
+    textworld's own code runs, correct but slower, and this test says so)."""
+    import random
+
+    from textworld.logic import Proposition, State, Variable
+
+    from agentrl.env import alfworld
+
+    game = games["pick_clean_then_place_in_recep"]
+    env = AlfworldEnv(game)
+    env.reset()
+    for command in game.walkthrough[:4]:
+        env.step(command)
+    assert State._all_applicable_assignments.__module__ == "agentrl.env.alfworld", "textworld changed: see _QUERY_SOURCES"
+    inner = env._env
+    while not hasattr(inner, "_pddl_state"):
+        inner = vars(inner)["_wrapped_env"]
+    state = inner._pddl_state
+    assert list(state.facts) == [p for facts in state._facts.values() for p in facts] and len(list(state.facts)) > 50
+    for facts in state._facts.values():
+        assert sorted(facts, key=alfworld._fact_order) == sorted(facts)  # Proposition.__lt__, textworld's
+    env.close()
+
+    names, types = ["a", "b", "a 1"], ["object", "receptacle", "o"]
+    made = [Proposition(n, [Variable(random.Random(i * 7 + k).choice(names), t) for k, t in enumerate(types[: 1 + i % 3])])
+            for i, n in enumerate(["in", "on", "in", "at"] * 6)]
+    made += [Proposition("in", [Variable("a", "receptacle")]), Proposition("in", [Variable("a", "object")])]
+    made = list(dict.fromkeys(made))  # distinct, as in a state's sets
+    assert sorted(made, key=alfworld._fact_order) == sorted(made)
+
+
 def test_a_closed_envs_planner_library_is_reused_not_kept(games):
     """textworld loads a 34 MB copy of fast_downward's library per env and never unloads it (its
     file, deleted, stays allocated while mapped: a long-lived worker filled the disk). A closed
