@@ -14,10 +14,17 @@
    (`_install_cheap_queries`, the default). Each arm prints a digest of everything a player saw
    (observations, admissible lists, wins); --check exits 1 unless all arms agree. `--steps-only`
    runs only this part; `--arms` picks some (textworld's own takes ~45 minutes on all 274 games).
+4. The first load of each distinct game (`--loads-only`): every held-out game opened and reset
+   once, its translation already on disk (as for a game any earlier process loaded), in fresh
+   subprocesses alternated: each game's grammar parsed whole into its GameLogic (textworld's
+   parse), against one shared parse and the game's own task rule (`logic_sharing_the_grammar`,
+   the default); each arm prints a digest of every reset's observation and admissible list and
+   of each game's first walkthrough step; --check exits 1 unless the arms agree.
 
 Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3] [--workers N]
        python benchmarks/bench_env.py --steps-only --step-games 0 --check   # every held-out game
        python benchmarks/bench_env.py --steps-only --step-games 0 --walk 30 --check --arms derivation,cheap
+       python benchmarks/bench_env.py --loads-only --repeats 2 --check   # every held-out game's first load
 """
 
 from __future__ import annotations
@@ -80,6 +87,61 @@ for i, game in enumerate(games):
 print(json.dumps({"games": len(games), "steps": steps, "step_s": step_s, "wall_s": time.perf_counter() - t0,
                   "digest": digest.hexdigest()}))
 """
+
+LOAD_ARM = """
+import hashlib, json, sys, time
+name = sys.argv[1]
+import agentrl.env.alfworld as alfworld
+from agentrl.env.data import discover_games
+if name == "whole":
+    alfworld._logic_sources_match = lambda: False  # each grammar parsed whole, as textworld does
+games = [g for split in ("valid_seen", "valid_unseen") for g in discover_games(split, None)]
+alfworld.AlfworldEnv(games[0]).close()  # the engine imported and its caches installed before the clock
+digest, load_s, reset_s = hashlib.sha256(), 0.0, 0.0
+for game in games:
+    t = time.perf_counter(); env = alfworld.AlfworldEnv(game); t1 = time.perf_counter(); r = env.reset()
+    load_s, reset_s = load_s + t1 - t, reset_s + time.perf_counter() - t1
+    s = env.step(game.walkthrough[0])
+    digest.update(repr((r.observation, r.admissible, s.observation, s.admissible, s.won)).encode())
+    env.close()
+print(json.dumps({"games": len(games), "load_s": load_s, "reset_s": reset_s, "digest": digest.hexdigest()}))
+"""
+
+LOAD_ARMS = {"whole": "each grammar parsed whole (textworld's parse)",
+             "shared": "one shared parse + the game's task (default)"}
+
+
+def load_arms(repeats: int, check: bool) -> None:
+    """Each arm `repeats` times in fresh subprocesses, alternated; the translations are put on disk
+    first by a warm-up arm, so both arms read them."""
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_NO_GAME_CACHE"}
+
+    def run(name: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", LOAD_ARM, name], capture_output=True, text=True, env=env)
+        if proc.returncode:
+            sys.exit(f"load arm {name} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    run("shared")  # every translation on disk before either arm is timed
+    rows = {name: [] for name in LOAD_ARMS}
+    for _ in range(repeats):
+        for name in LOAD_ARMS:
+            rows[name].append(run(name))
+    n = rows["shared"][0]["games"]
+    print(f"the first load of each of {n} held-out games (translations on disk), {repeats} run(s) an arm, alternated:")
+    per = {}
+    for name, runs in rows.items():
+        loads = [1000 * r["load_s"] / n for r in runs]
+        resets = [1000 * r["reset_s"] / n for r in runs]
+        per[name] = min(loads)
+        print(f"  {LOAD_ARMS[name]:<46} load {' / '.join(f'{x:.1f}' for x in loads)} ms a game, reset "
+              f"{' / '.join(f'{x:.1f}' for x in resets)} ms  digest {runs[0]['digest'][:16]}")
+    print(f"  the default's load: {per['whole'] / per['shared']:.2f}x faster (best runs)")
+    same = len({r["digest"] for runs in rows.values() for r in runs}) == 1
+    print(f"  what a player saw: {'identical in every run' if same else 'DIFFERENT between arms'}")
+    if check and not same:
+        sys.exit(1)
+
 
 STEP_ARMS = {"textworld": "textworld's own code", "caches": "the game caches alone",
              "derivation": "the caches + the cheap derivation",
@@ -150,13 +212,18 @@ def main() -> None:
     ap.add_argument("--step-games", type=int, default=6, help="held-out games for the env-step arms (0: all 274)")
     ap.add_argument("--walk", type=int, default=15, help="random admissible commands after each walkthrough")
     ap.add_argument("--steps-only", action="store_true", help="only the env-step arms")
-    ap.add_argument("--check", action="store_true", help="exit 1 unless the env-step arms saw the same")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the env-step (or load) arms saw the same")
+    ap.add_argument("--loads-only", action="store_true", help="only the first load of each held-out game, two arms")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each load arm (alternated)")
     ap.add_argument("--arms", default=",".join(STEP_ARMS),
                     help=f"env-step arms, comma-separated, the default's last ({','.join(STEP_ARMS)})")
     a = ap.parse_args()
     arms = [x for x in a.arms.split(",") if x]
     if not arms or arms[-1] != "cheap" or any(x not in STEP_ARMS for x in arms):
         ap.error(f"--arms: some of {', '.join(STEP_ARMS)}, comma-separated, ending with cheap")
+    if a.loads_only:
+        load_arms(a.repeats, a.check)
+        return
     if a.steps_only:
         step_arms(a.step_games, a.walk, a.check, arms)
         return

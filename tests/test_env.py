@@ -206,6 +206,46 @@ def test_the_cheap_queries_keep_textworlds_order(games):
     assert sorted(made, key=alfworld._fact_order) == sorted(made)
 
 
+def test_games_share_one_grammar_parse_and_keep_their_own_task(games):
+    """A game's GameLogic is built from one memoised parse of the grammar with a stand-in task and
+    the game's own task rule (`logic_sharing_the_grammar`): on a real game of each task type its
+    actions, every grammar rule (the task sentence included) and its types are what textworld's
+    own parse gives, the six games cost one parse, and each has its own types. A grammar without
+    a task rule is parsed whole, as textworld does. The installed textworld is the one the
+    builder repeats (else textworld's parse runs, correct but slower, and this test says so)."""
+    import functools
+
+    from textworld.envs.pddl.logic import GameLogic
+
+    from agentrl.env import alfworld
+
+    def seen(logic) -> str:
+        actions = {k: (a.name, a.template, a.feedback_rule, a.pddl, a.grammar) for k, a in logic.actions.items()}
+        rules = [(k, [(r.lhs, repr(r.rhs), r.weight, r.condition) for r in v]) for k, v in logic.grammar._rules.items()]
+        return repr((logic.domain, actions, rules, logic.types._types))
+
+    AlfworldEnv(games["look_at_obj_in_light"]).close()  # installs the caches (the memoised symbol parse)
+    assert alfworld._logic_sources_match(), "textworld changed: see _LOGIC_SOURCES"
+    shared = functools.lru_cache(maxsize=8)(lambda domain, grammar: GameLogic(domain=domain, grammar=grammar))
+    built, tasks = [], set()
+    for game in games.values():
+        data = json.loads(game.path.read_text())
+        theirs = GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
+        ours = alfworld.logic_sharing_the_grammar(GameLogic, shared, data["pddl_domain"], data["grammar"])
+        assert seen(ours) == seen(theirs)
+        tasks.add(repr(ours.grammar._rules["task"][0].rhs))
+        built.append(ours)
+    assert shared.cache_info().misses == 1 and len(tasks) == len(games)
+    assert len({id(logic.types) for logic in built}) == len(built)
+
+    data = json.loads(games["pick_two_obj_and_place"].path.read_text())
+    no_task = alfworld._TASK_RULE.sub('"no_task": []', data["grammar"])
+    assert no_task != data["grammar"]
+    whole = alfworld.logic_sharing_the_grammar(GameLogic, shared, data["pddl_domain"], no_task)
+    assert seen(whole) == seen(GameLogic(domain=data["pddl_domain"], grammar=no_task)) and "task" not in whole.grammar._rules
+    assert shared.cache_info().misses == 1  # not from the shared parse
+
+
 def test_a_closed_envs_planner_library_is_reused_not_kept(games):
     """textworld loads a 34 MB copy of fast_downward's library per env and never unloads it (its
     file, deleted, stays allocated while mapped: a long-lived worker filled the disk). A closed

@@ -50,7 +50,8 @@ def _install_game_caches() -> None:
     Profile of one env (load 1.8 s + reset 0.6 s): 70% is fast_downward's PDDL->SAS translation,
     run twice per PddlState (plain and optimised), and a PddlState is built at load and again at
     every reset; most of the rest is parsing the game's grammar into a GameLogic. Both are pure
-    functions of the game file, so we memoise them per process, and the translation also on disk
+    functions of the game file, so we memoise them per process (the grammar once for every game:
+    `logic_sharing_the_grammar`), and the translation also on disk
     (`_kept_on_disk`): a game loaded before, by any process, loads in a sixth of the time. Each env keeps its own copy of
     fast_downward's library (textworld loads one per env), where the mutable game state lives,
     so envs of the same game stay independent (tested). Envs cannot simply be copied instead:
@@ -64,10 +65,11 @@ def _install_game_caches() -> None:
     fast_downward.pddl2sas = functools.lru_cache(maxsize=256)(translate)  # read-only (task, sas) results
 
     game_logic = pddl_logic.GameLogic
+    shared_logic = functools.lru_cache(maxsize=8)(lambda domain, grammar: game_logic(domain=domain, grammar=grammar))
 
     @functools.lru_cache(maxsize=64)
     def cached_logic(domain: str, grammar: str):
-        return game_logic(domain=domain, grammar=grammar)
+        return logic_sharing_the_grammar(game_logic, shared_logic, domain, grammar)
 
     pddl.pddl_logic = types.SimpleNamespace(**{**vars(pddl_logic), "GameLogic": cached_logic})
 
@@ -80,6 +82,59 @@ def _install_game_caches() -> None:
 
     for module in (textgen, tw_logic):
         module._parse_and_convert = _memoised_parse(module._parse_and_convert)
+
+
+# A game's grammar (~13 kB, which textworld parses with tatsu into the game's GameLogic: a third of
+# a game's load) differs from another game's in one rule only, its task sentence. sha256 (first 16
+# hex digits) of the textworld source `logic_sharing_the_grammar` repeats: where an installed
+# textworld differs, each game's grammar is parsed whole, as textworld does.
+_TASK_RULE = re.compile(r'"task":\s*\[\s*\{\s*"rhs":\s*("(?:[^"\\\n]|\\.)*")\s*\}\s*\]')
+_TASK_STAND_IN = '"the task"'
+_LOGIC_SOURCES = {"GameLogic.__init__": "8eb1547d426d3913", "ContextSensitiveGrammar.parse": "f9ef39c61f2d979e"}
+
+
+def _source_digest(fn) -> str:
+    import inspect
+
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def _logic_sources_match() -> bool:
+    from textworld.envs.pddl import textgen
+    from textworld.envs.pddl.logic import GameLogic
+
+    return (_source_digest(GameLogic.__init__) == _LOGIC_SOURCES["GameLogic.__init__"]
+            and _source_digest(textgen.ContextSensitiveGrammar.parse) == _LOGIC_SOURCES["ContextSensitiveGrammar.parse"])
+
+
+def logic_sharing_the_grammar(game_logic, shared_logic, domain: str, grammar: str):
+    """The GameLogic textworld builds from (domain, grammar), built from the logic of the same
+    grammar with a stand-in task (`shared_logic`, memoised: one tatsu parse for every game whose
+    grammar differs only in its task) and this game's own task rule, made as
+    `ContextSensitiveGrammar.parse` makes it. Its actions and rules are the shared logic's objects
+    (textworld never changes them: a derivation copies a rule's symbols before using them, as
+    envs of one game already share one GameLogic); its types are its own (a PddlState adds the
+    task's types to them). Anything else, a grammar without exactly one such task rule or another
+    textworld, is textworld's own parse."""
+    found = list(_TASK_RULE.finditer(grammar))
+    if len(found) != 1 or not _logic_sources_match():
+        return game_logic(domain=domain, grammar=grammar)
+    import textworld.logic
+    from textworld.envs.pddl import textgen
+
+    task = found[0]
+    shared = shared_logic(domain, grammar[:task.start(1)] + _TASK_STAND_IN + grammar[task.end(1):])
+    logic = game_logic.__new__(game_logic)  # what GameLogic.__init__ does, but the parse
+    logic.domain = domain
+    logic.grammar = textgen.ContextSensitiveGrammar()
+    logic.actions = {}
+    logic.types = textworld.logic.TypeHierarchy()
+    logic.actions.update(shared.actions)
+    logic.grammar.update(shared.grammar)
+    rhs = textgen._parse_and_convert(json.loads(task.group(1)), rule_name="symbols")
+    logic.grammar._rules["task"] = [textgen.ProductionRule(lhs="task", rhs=rhs, weight=1, condition="")]
+    return logic
 
 
 TRANSLATION_DIRNAME = "pddl2sas"  # under the cache root: ~43 kB a game (two translations, zlib'd)
@@ -263,17 +318,12 @@ def _install_cheap_queries() -> None:
     that gives the same order (`_fact_order`: facts in a set are distinct, so no ties) and the
     facts are chained in C, in the same order. The replaced method is textworld's own but for the
     sort, installed only over the source it was copied from (`_QUERY_SOURCES`)."""
-    import hashlib
-    import inspect
     import itertools
 
     from textworld.logic import Signature, State
 
-    def digest(fn) -> str:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
-
-    if (digest(State._all_applicable_assignments) != _QUERY_SOURCES["_all_applicable_assignments"]
-            or digest(State.facts.fget) != _QUERY_SOURCES["facts"]):
+    if (_source_digest(State._all_applicable_assignments) != _QUERY_SOURCES["_all_applicable_assignments"]
+            or _source_digest(State.facts.fget) != _QUERY_SOURCES["facts"]):
         return
 
     def _all_applicable_assignments(self, rule, mapping, used_vars, new_phs_by_depth, depth):
