@@ -94,9 +94,14 @@ _LOGIC_SOURCES = {"GameLogic.__init__": "8eb1547d426d3913", "ContextSensitiveGra
 
 
 def _source_digest(fn) -> str:
+    """sha256 (16 hex digits) of a function's source; "" where there is none (an install without
+    .py files), so nothing is replaced there."""
     import inspect
 
-    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
 
 
 @functools.lru_cache(maxsize=1)
