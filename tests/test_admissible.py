@@ -137,6 +137,10 @@ def test_vllm_and_bad_constraints_are_refused(tiny_model, tokenizer):
         load_config(None, {"sampling.action_space": "admissible", "prompt.reply": "react"})
     with pytest.raises(UserError, match="free or admissible"):
         load_config(None, {"sampling.action_space": "commands"})
+    from agentrl.rollout.lockstep import ModelPolicy
+
+    with pytest.raises(UserError, match=r"replies are 'react' .*set prompt.reply: action"):  # a model without a warm start
+        ModelPolicy(sampler, SamplingParams(), reply="react", action_space="admissible")
 
 
 # ---------------------------------------------------------------- sampler = learner

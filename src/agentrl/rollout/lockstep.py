@@ -73,7 +73,8 @@ class ModelPolicy:
             raise UserError("sampling.loop_guard needs sampling.action_space admissible (it narrows the admissible commands)")
         if self.constrained and reply != "action":
             raise UserError("sampling.action_space admissible needs prompt.reply action (replies `Action: <command>`); "
-                            f"this run's replies are {reply!r}")
+                            f"this run's replies are {reply!r} (a warm start's adapter sets action; without one, "
+                            "set prompt.reply: action in the --config file)")
         if self.constrained and not self.renderer.end_of_turn_ids:
             raise UserError("sampling.action_space admissible needs a chat template that ends a reply with a token "
                             "(the tokenizer's has none)")
