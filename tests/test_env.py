@@ -246,6 +246,36 @@ def test_games_share_one_grammar_parse_and_keep_their_own_task(games):
     assert shared.cache_info().misses == 1  # not from the shared parse
 
 
+def test_the_first_reset_keeps_the_state_its_load_built(games):
+    """The first reset after a load takes the PddlState the load built (`_install_first_reset`)
+    instead of building it again: it is that object, holding the facts a state built afresh from
+    the problem holds; a reset after commands builds a new state, back at the start (the same
+    observation and admissible commands as the first reset), and a game the walkthrough wins
+    after it is won again. What a player sees against textworld's own code is the walkthrough and
+    random-walk test's (resets included)."""
+    from textworld.envs.pddl import logic as pddl_logic
+
+    game = games["pick_heat_then_place_in_recep"]
+    env = AlfworldEnv(game)
+    inner = env._env
+    while not hasattr(inner, "_pddl_state"):
+        inner = vars(inner)["_wrapped_env"]
+    loaded = inner._pddl_state
+    first = env.reset()
+    assert inner._pddl_state is loaded
+    afresh = pddl_logic.PddlState(inner.downward_lib, inner._game_data["pddl_problem"], inner._logic)
+    assert sorted(map(str, loaded.facts)) == sorted(map(str, afresh.facts)) and len(list(afresh.facts)) > 50
+    for command in game.walkthrough[:3]:
+        env.step(command)
+    again = env.reset()
+    assert inner._pddl_state is not loaded
+    assert (again.observation, again.admissible) == (first.observation, first.admissible)
+    for command in game.walkthrough:
+        res = env.step(command)
+    assert res.won
+    env.close()
+
+
 def test_a_closed_envs_planner_library_is_reused_not_kept(games):
     """textworld loads a 34 MB copy of fast_downward's library per env and never unloads it (its
     file, deleted, stays allocated while mapped: a long-lived worker filled the disk). A closed

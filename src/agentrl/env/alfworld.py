@@ -361,12 +361,60 @@ def _install_cheap_queries() -> None:
                            doc="All the facts in the current state.")
 
 
+_STATE_FOR_THE_NEXT_RESET: list = []  # the one state the reset being run takes instead of building it
+
+
+@functools.lru_cache(maxsize=1)
+def _install_first_reset() -> None:
+    """The first reset after a load keeps the game state the load built.
+
+    textworld builds a game's PddlState (its facts read from the planner, ~35 ms) at load, and
+    builds it again from the same problem at every reset, the first one included, which
+    follows the load before any command: a quarter of an env's load and first reset. A state
+    its load built and no step has touched is what that reset would build (the same facts
+    from the same problem; the planner library, loaded with the problem at load, has applied
+    nothing since), so the first reset takes it; a step in between, and every later reset,
+    builds it as textworld does."""
+    from textworld.envs.pddl import pddl
+
+    build = pddl.pddl_logic.PddlState
+    load, reset, step = pddl.PddlEnv.load, pddl.PddlEnv.reset, pddl.PddlEnv.step
+
+    def pddl_state(downward_lib, pddl_problem, logic):
+        if _STATE_FOR_THE_NEXT_RESET:
+            state = _STATE_FOR_THE_NEXT_RESET.pop()
+            if state.downward_lib is downward_lib and state.pddl_problem == pddl_problem and state._logic is logic:
+                return state
+        return build(downward_lib, pddl_problem, logic)
+
+    def loaded(self, *args, **kwargs):
+        load(self, *args, **kwargs)
+        self._agentrl_untouched_state = self._pddl_state
+
+    def reset_keeping_the_loaded_state(self):
+        untouched = vars(self).pop("_agentrl_untouched_state", None)
+        if untouched is not None and untouched is self._pddl_state:
+            _STATE_FOR_THE_NEXT_RESET[:] = [untouched]
+        try:
+            return reset(self)
+        finally:
+            _STATE_FOR_THE_NEXT_RESET.clear()
+
+    def stepped(self, *args, **kwargs):
+        vars(self).pop("_agentrl_untouched_state", None)
+        return step(self, *args, **kwargs)
+
+    pddl.pddl_logic = types.SimpleNamespace(**{**vars(pddl.pddl_logic), "PddlState": pddl_state})
+    pddl.PddlEnv.load, pddl.PddlEnv.reset, pddl.PddlEnv.step = loaded, reset_keeping_the_loaded_state, stepped
+
+
 def install_game_caches() -> None:
     """The caches above, unless AGENTRL_NO_GAME_CACHE is set (to compare with textworld's own behaviour)."""
     if not os.environ.get("AGENTRL_NO_GAME_CACHE"):
         _install_game_caches()
         _install_cheap_derivation()
         _install_cheap_queries()
+        _install_first_reset()
 
 
 def warm_up() -> None:
