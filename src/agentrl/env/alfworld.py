@@ -389,19 +389,18 @@ def _install_first_reset() -> None:
 
     def loaded(self, *args, **kwargs):
         load(self, *args, **kwargs)
-        self._agentrl_untouched_state = self._pddl_state
+        self._agentrl_state_untouched = True
 
     def reset_keeping_the_loaded_state(self):
-        untouched = vars(self).pop("_agentrl_untouched_state", None)
-        if untouched is not None and untouched is self._pddl_state:
-            _STATE_FOR_THE_NEXT_RESET[:] = [untouched]
+        if vars(self).pop("_agentrl_state_untouched", False):
+            _STATE_FOR_THE_NEXT_RESET[:] = [self._pddl_state]
         try:
             return reset(self)
         finally:
             _STATE_FOR_THE_NEXT_RESET.clear()
 
     def stepped(self, *args, **kwargs):
-        vars(self).pop("_agentrl_untouched_state", None)
+        vars(self).pop("_agentrl_state_untouched", None)
         return step(self, *args, **kwargs)
 
     pddl.pddl_logic = types.SimpleNamespace(**{**vars(pddl.pddl_logic), "PddlState": pddl_state})
