@@ -188,6 +188,7 @@ def train_cmd(
     eval_every: opt(OptInt, "train.eval_every", "E: greedy held-out eval every E iterations.") = None,
     log_to: opt(OptStr, "train.log_to", "Also log to tensorboard and/or wandb (comma-separated); metrics.jsonl is always written.") = None,
     eval_tasks: opt(OptInt, "train.eval_tasks", "H: held-out tasks per eval.") = None,
+    eval_max_steps: opt(OptInt, "train.eval_max_steps", "T_max of the held-out evals (default: the rollouts' T_max).") = None,
     temperature: opt(OptFloat, "sampling.temperature", "Rollout sampling temperature.") = None,
     max_new_tokens: MaxNewTokensOpt = None,
     model: ModelOpt = None,
