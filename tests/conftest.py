@@ -13,13 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _threads_per_worker() -> None:
     """Under pytest-xdist (`make test`: TEST_WORKERS), each worker's torch, and the CLI subprocesses
-    its tests start, get an equal share of the cores rather than every core each (the suite on the
-    2-core machine: one process at 2 threads spent 1,447 s of user time, two workers at 1 thread
-    1,166 s). Set before anything imports torch; a thread count the user set is kept."""
+    its tests start, run on an equal share of the cores: otherwise every worker starts a thread per
+    core and the workers oversubscribe them. Set before anything imports torch (agentrl.cluster
+    does not); a thread count the user set is kept."""
+    from agentrl.cluster import available_cores
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, available_cores() // workers))
 
 
 _threads_per_worker()
