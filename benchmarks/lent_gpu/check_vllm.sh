@@ -49,5 +49,5 @@ for r in rows:
     if r.get("kind") == "iteration":
         print({k: r.get(k) for k in ("iteration", "rollout_s", "train_s", "swap_s", "iteration_s", "train_reward", "logprob_gap", "adapter_version", "rollout_adapter_versions")})
 EOF
-tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints rv 2>/dev/null
+tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints --exclude='*.safetensors' rv 2>/dev/null
 echo "done after $(( $(date +%s) - T0 )) s"

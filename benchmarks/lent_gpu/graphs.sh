@@ -95,7 +95,7 @@ PY
   timeout -k 10 $(cap $TRAIN_S) "${AG[@]}" train --config /tmp/e2e.yaml --init-adapter .dev/p3/adapter --kl-coef 50 \
     --iterations $ITERATIONS --eval-every 0 --out /tmp/r1 > $OUT/train.log 2>&1
   echo "train rc $? in $(( $(date +%s) - t )) s"; grep -E "^it " $OUT/train.log || tail -n 5 $OUT/train.log
-  tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints r1 ev 2>/dev/null
+  tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints --exclude='*.safetensors' r1 ev 2>/dev/null
 }
 
 ab() {  # e2e's eval of AB_SPLIT again once per arm of AB_ARMS, each one setting changed, side by side
@@ -125,7 +125,7 @@ for d in sys.argv[1:]:
           f" tokens {m.get('kv_prefill_tokens')} + pads {m.get('kv_prefill_pad_tokens')})  won {o['won']}/{o['games']}")
 PY
     for d in "${dirs[@]:1}"; do "${AG[@]}" compare ${dirs[0]} $d | tail -n 2; done; } 2>&1 | tee $OUT/ab.log
-  tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints r1 ev 2>/dev/null
+  tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints --exclude='*.safetensors' r1 ev 2>/dev/null
 }
 
 attention() {

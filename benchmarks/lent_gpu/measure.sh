@@ -25,5 +25,5 @@ for split in valid_seen valid_unseen; do
   echo "eval rc $?"; tail -n 3 $OUT/eval-$split.log
 done
 kill %1 2>/dev/null
-tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints r1 ev 2>/dev/null
+tar -C /tmp -czf $OUT/results.tgz --exclude=adapters --exclude=checkpoints --exclude='*.safetensors' r1 ev 2>/dev/null
 echo "done after $(( $(date +%s) - T0 )) s"
