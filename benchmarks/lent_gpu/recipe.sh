@@ -13,7 +13,8 @@
 # final adapter in bf16, split under the 16 MiB a returned file may have).
 # A CPU rehearsal of the whole script here: DRY=1 (the venv's python, the shared data, GAMES
 # walkthroughs (default 8) replayed and exported here for the import phase, and tiny sizes: evals
-# of 4 games x 4 steps, GRPO at B 2 x G 2 x T_max 4, gate K 2, an invalid reply's reward -0.1,
+# of 4 games x 4 steps, GRPO at B 2 x G 2 x T_max 4, gate K 2, an invalid reply's reward -0.1 (the
+# only reward variance an 8-game warm start has there, so the learner and the swap run at times),
 # until the budget's timeout stops it as it does on the GPU; $OUT defaults to /tmp/recipe-dry).
 # It checks the script, not the speed: 6.3 min at BUDGET=420 here (2026-12-03).
 BUDGET=${BUDGET:-570}; EPOCHS=${EPOCHS:-2}
