@@ -313,7 +313,7 @@ def test_a_log_gets_a_progress_line_through_a_step_that_reports_nothing():
 
 def test_the_time_left_is_the_phases_own_pace_from_its_first_update(monkeypatch):
     """A 4-hour warm start prints how long it has left: at the pace since the phase's first
-    update, so a resumed run's jump to the step it continues from (300 of 700 at once) is not
+    progress, so a resumed run's jump to the step it continues from (300 of 700 at once) is not
     read as speed; nothing without a total or before the pace is known."""
     import io
 
@@ -341,6 +341,42 @@ def test_the_time_left_is_the_phases_own_pace_from_its_first_update(monkeypatch)
     bar.update(task, advance=1)
     assert display.remaining_s(t) is None and buf.getvalue().splitlines()[-1].endswith("elapsed")
     assert display.hms(3 * 86400) == "72 h"
+
+
+def test_each_phase_has_its_own_clock_and_its_pace_leaves_out_its_first_unit(monkeypatch):
+    """make train's log, seen as a new user: the warm start's 60/60 read "0:01:12" (rich froze the
+    task's clock when the replay before it completed), and an eval's first step, which prefills
+    every game's prompt, made its time left read 4x too long. Now a phase's elapsed time is its own
+    and its pace starts once its first unit is done."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import TextColumn, TimeElapsedColumn
+
+    import agentrl.cli.display as display
+
+    clock = [1000.0]
+    monkeypatch.setattr(display.time, "monotonic", lambda: clock[0])
+    bar = display.LineProgress(TextColumn("{task.description}"), console=Console(file=io.StringIO(), force_terminal=False),
+                               get_time=lambda: clock[0])
+    bar.every_s = 0.0
+    task = bar.add_task("loading", total=None, info="")
+    t = bar.tasks[0]
+    display.start_phase(bar, task, "replaying walkthroughs", 120)
+    clock[0] += 72.0
+    bar.update(task, completed=120)  # rich marks the task finished, its clock at 72 s
+    display.start_phase(bar, task, "training, optimizer steps", 60)
+    clock[0] += 500.0
+    bar.update(task, completed=60)
+    assert TimeElapsedColumn().render(t).plain == "0:08:20"  # the phase's 500 s, not the replay's 72
+    display.start_phase(bar, task, "eval", 20)
+    assert TimeElapsedColumn().render(t).plain == "0:00:00"
+    clock[0] += 66.0
+    bar.update(task, completed=1)  # the first step: every prompt prefilled
+    assert display.remaining_s(t) is None
+    clock[0] += 10.0
+    bar.update(task, completed=2)
+    assert display.remaining_s(t) == pytest.approx(18 * 10.0)  # not 18 * 38 from the phase's start
 
 
 @pytest.mark.parametrize(

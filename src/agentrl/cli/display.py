@@ -69,23 +69,27 @@ class LineProgress(Progress):
 
 
 def start_phase(bar: Progress, task, description: str, total: float | None = None) -> None:
-    """Turn the bar's task into the next phase. rich's `update` keeps the old total when given
+    """Turn the bar's task into the next phase, its clock restarted: the elapsed time shown is the
+    phase's own (rich also freezes a task's clock once it first completes, so without the reset
+    the warm start's 60/60 would read the replay's 1 minute). rich keeps the old total when given
     None, so a phase without one (the learner's update) would read as the last one's "0/30"."""
-    bar.update(task, description=description, completed=0, info="")
+    bar.reset(task, description=description, completed=0, info="")
     for t in bar.tasks:
         if t.id == task:
             t.total = total
-            t._agentrl_pace = None  # the next update starts the phase's pace (remaining_s)
+            t._agentrl_pace = (0, None)  # the phase's first progress starts its pace (remaining_s)
 
 
 def remaining_s(task) -> float | None:
-    """Seconds the phase has left at its pace since its first update, None before a second one or
-    without a total. Its first update is the pace's start, so a resumed warm start's jump to the
-    step it continues from is not counted as speed."""
+    """Seconds the phase has left at its pace since its first progress, None before more progress
+    or without a total. The pace starts at the first unit done, not at the phase's start: a first
+    unit carries one-off work (an eval's first step prefills every game's prompt, several later
+    steps' worth), and a resumed warm start's jump to the step it continues from is not speed."""
     now = time.monotonic()
-    pace = getattr(task, "_agentrl_pace", None)
-    if pace is None:
-        task._agentrl_pace = (task.completed, now)
+    pace = getattr(task, "_agentrl_pace", None)  # (completed, when); when None: waiting for the first unit
+    if pace is None or pace[1] is None:
+        if pace is None or task.completed != pace[0]:
+            task._agentrl_pace = (task.completed, None if pace is None else now)
         return None
     done, seconds = task.completed - pace[0], now - pace[1]
     if task.total is None or done <= 0 or seconds <= 0:
