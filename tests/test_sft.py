@@ -285,7 +285,7 @@ def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tm
     import agentrl.sampling as sampling
 
     from agentrl.report import build_report
-    from agentrl.train.loop import train
+    from agentrl.train.loop import Hooks, train
     from agentrl.train.prerun import prepare_run, start_run
 
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "cache"))
@@ -297,13 +297,16 @@ def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tm
                              "train.eval_base": True, "train.eval_cache": True, "rollout.tasks": 2,
                              "rollout.group_size": 2, "sampling.max_new_tokens": 12, "rollout.gate": "off"})
 
+    phases = []
+
     def run_once(name):
         run = tmp_path / name
         start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
-        train(cfg, run)
+        train(cfg, run, hooks=Hooks(phase=lambda name, total=None: phases.append(name)))
         return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     first, rows = run_once("first")
+    assert phases[:3] == ["eval base model", "eval it 0", "rollout it 1/1"]  # the progress bar says which eval runs
     assert [(r["kind"], r["iteration"]) for r in rows] == [("base_eval", 0), ("eval", 0), ("iteration", 1), ("eval", 1)]
     base, warm = rows[0], rows[1]
     assert base["weights"] == "base" and warm["weights"].startswith("adapter-") and base["eval_key"] != warm["eval_key"]

@@ -55,12 +55,12 @@ def tiny_cfg(model_dir: Path, **overrides):
     return load_config(None, base | overrides)
 
 
-def run_train(run: Path, cfg, resume=False):
+def run_train(run: Path, cfg, resume=False, hooks=None):
     if not resume:
         start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
     else:
         cfg = prepare_run(run, None, resume=True, force=False, overrides={"train.iterations": cfg.train.iterations})
-    return train(cfg, run, resume=resume)
+    return train(cfg, run, resume=resume, hooks=hooks)
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -68,8 +68,14 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_actor_dir):
-    run = tmp_path / "run"
-    run_train(run, tiny_cfg(tiny_actor_dir, **{"env.workers": 2}))  # envs in a pool of worker processes
+    from agentrl.train.loop import Hooks
+
+    run, phases = tmp_path / "run", []
+    hooks = Hooks(phase=lambda name, total=None: phases.append(name))
+    run_train(run, tiny_cfg(tiny_actor_dir, **{"env.workers": 2}), hooks=hooks)  # envs in a pool of worker processes
+    # the progress bar names what runs and for which iteration, as the metrics lines do
+    assert phases[:5] == ["eval it 0", "rollout it 1/3", "train it 1/3", "swap it 1/3", "rollout it 2/3"]
+    assert phases[-2:] == ["swap it 3/3", "eval it 3"]
     rows = read_metrics(run)
     its = [r for r in rows if r["kind"] == "iteration"]
     evals = [r for r in rows if r["kind"] == "eval"]
