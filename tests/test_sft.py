@@ -285,6 +285,7 @@ def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tm
     import agentrl.sampling as sampling
 
     from agentrl.report import build_report
+    from agentrl.cli.display import phase_label
     from agentrl.train.loop import Hooks, train
     from agentrl.train.prerun import prepare_run, start_run
 
@@ -302,7 +303,7 @@ def test_the_curve_starts_at_the_base_model_and_iteration_0s_evals_are_cached(tm
     def run_once(name):
         run = tmp_path / name
         start_run(run, prepare_run(run, cfg, resume=False, force=False), force=False)
-        train(cfg, run, hooks=Hooks(phase=lambda name, total=None: phases.append(name)))
+        train(cfg, run, hooks=Hooks(phase=lambda name, total=None, iteration=0: phases.append(phase_label(name, iteration, 1))))
         return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     first, rows = run_once("first")

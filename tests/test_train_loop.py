@@ -68,10 +68,11 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_actor_dir):
+    from agentrl.cli.display import phase_label
     from agentrl.train.loop import Hooks
 
     run, phases = tmp_path / "run", []
-    hooks = Hooks(phase=lambda name, total=None: phases.append(name))
+    hooks = Hooks(phase=lambda name, total=None, iteration=0: phases.append(phase_label(name, iteration, 3)))
     run_train(run, tiny_cfg(tiny_actor_dir, **{"env.workers": 2}), hooks=hooks)  # envs in a pool of worker processes
     # the progress bar names what runs and for which iteration, as the metrics lines do
     assert phases[:5] == ["eval it 0", "rollout it 1/3", "train it 1/3", "swap it 1/3", "rollout it 2/3"]

@@ -86,12 +86,11 @@ def remaining_s(task) -> float | None:
     unit carries one-off work (an eval's first step prefills every game's prompt, several later
     steps' worth), and a resumed warm start's jump to the step it continues from is not speed."""
     now = time.monotonic()
-    pace = getattr(task, "_agentrl_pace", None)  # (completed, when); when None: waiting for the first unit
-    if pace is None or pace[1] is None:
-        if pace is None or task.completed != pace[0]:
-            task._agentrl_pace = (task.completed, None if pace is None else now)
+    start, when = getattr(task, "_agentrl_pace", None) or (task.completed, None)  # no phase started: from here
+    if when is None:  # waiting for the phase's first unit
+        task._agentrl_pace = (task.completed, now) if task.completed != start else (start, None)
         return None
-    done, seconds = task.completed - pace[0], now - pace[1]
+    done, seconds = task.completed - start, now - when
     if task.total is None or done <= 0 or seconds <= 0:
         return None
     return max(0.0, task.total - task.completed) * seconds / done
@@ -270,6 +269,14 @@ def print_stage_totals(rows: list[dict]) -> None:
         t.add_row(name, ", ".join(f"{k} {v}" for k, v in s["decisions"].items()),
                   *(str(s[k]) for k in ("step_tokens_generated", "step_tokens_excluded", "step_tokens_avoided")))
     console.print(t)
+
+
+def phase_label(name: str, iteration: int, iterations: int) -> str:
+    """A train phase's bar, named as metrics_line names its row: `eval base model`, `eval it 0`,
+    `rollout it 1/2` (make train's log showed three bars called `eval`)."""
+    if name == "base_eval":
+        return "eval base model"
+    return f"eval it {iteration}" if name == "eval" else f"{name} it {iteration}/{iterations}"
 
 
 def metrics_line(row: dict, iterations: int) -> str:

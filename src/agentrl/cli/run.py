@@ -8,7 +8,7 @@ import typer
 
 from agentrl.cli.app import app
 from agentrl.cli.display import (console, err, metrics_line, print_curve, print_logprob_check, print_rollout, print_summary,
-                                 progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
+                                 phase_label, progress_bar, run_line, sft_epoch_line, sft_summary_lines, start_phase, step_info)
 from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoopGuardOpt, LoraROpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
@@ -232,7 +232,11 @@ def train_cmd(
 
     with progress_bar() as bar:
         task = bar.add_task("loading models and games", total=None, info="")
-        hooks = loop.Hooks(phase=lambda name, total=None: start_phase(bar, task, name, total),
+
+        def phase(name: str, total=None, iteration: int = 0) -> None:
+            start_phase(bar, task, phase_label(name, iteration, cfg.train.iterations), total)
+
+        hooks = loop.Hooks(phase=phase,
                            step=lambda n, trajs: bar.update(task, completed=n, info=step_info(trajs)),
                            done=lambda row: bar.console.print(metrics_line(row, cfg.train.iterations)),
                            warn=lambda m: bar.console.print(f"[bold yellow]warning:[/] {m}"))

@@ -128,7 +128,7 @@ def iteration0(cfg: Config, generator, games, metrics, hooks, evaluate, kept: li
             if row is not None:
                 row = row | {"kind": kind, "iteration": 0, "adapter_version": 0, "cached": True}
             else:
-                hooks.phase("eval base model" if kind == "base_eval" else "eval it 0", cfg.t_max("train_eval"))
+                hooks.phase(kind, cfg.t_max("train_eval"))
                 row = evaluate(cfg, generator, games, 0, 0, hooks.step) | {"kind": kind, "weights": weights, "eval_key": key}
                 spent += row["eval_s"]
                 if cache is not None:

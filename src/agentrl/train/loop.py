@@ -197,7 +197,7 @@ def eval_row(result: EvalResult, iteration: int, adapter_version: int) -> dict:
 class Hooks:
     """Progress callbacks (the CLI draws them with rich; tests leave them out)."""
 
-    phase: callable = lambda name, total=None: None  # "rollout it 1/8" | "train it 1/8" | "swap it 1/8" | "eval it 0" | "eval base model"
+    phase: callable = lambda name, total=None, iteration=0: None  # "rollout" | "train" | "swap" | "eval" | "base_eval"
     step: callable = lambda step, trajs: None
     done: callable = lambda row: None  # each metrics line as it is written
     warn: callable = field(default=lambda message: log.warning("%s", message))
@@ -257,7 +257,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         t0 = time.perf_counter()
         faults.iteration = it
         selection.begin(it)
-        hooks.phase(f"rollout it {it}/{cfg.train.iterations}", cfg.t_max("rollout"))
+        hooks.phase("rollout", cfg.t_max("rollout"), iteration=it)
         roll = generator.roller(iteration_seed(cfg.seed, it), hooks.step)
         rollout = selection.rollout(tasks, cfg.rollout.tasks, cfg.rollout.group_size, roll)  # select + rollout + gate
         refill = lambda n: roll(selection.refill_tasks(tasks, n), stages=selection.step_stages)  # noqa: E731
@@ -266,12 +266,12 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         check_served_version(it, rollout, learner.version, hooks.warn)
         check_env_failures(it, rollout, hooks.warn)
         batch = batch_advantages(groups, advantage)                                               # advantage
-        hooks.phase(f"train it {it}/{cfg.train.iterations}")
+        hooks.phase("train", iteration=it)
         sampler.sleep()  # a colocated vLLM engine lends the GPU to the update; the swap wakes it
         stats = learner.update(batch)                                                             # learn
         t2 = time.perf_counter()
         if stats.stepped:                                                                         # swap
-            hooks.phase(f"swap it {it}/{cfg.train.iterations}")
+            hooks.phase("swap", iteration=it)
             generator.load(learner.save(run / "adapters"))
             prune_adapters(run / "adapters", cfg.train.keep_adapters)
         t3 = time.perf_counter()
@@ -279,7 +279,7 @@ def _loop(cfg: Config, run: Path, resume: bool, hooks: Hooks, tasks: TaskSampler
         check_update(it, stats, cfg.train.logprob_gap_warn, hooks.warn)
         eval_row = None
         if tasks.held_out and (it == cfg.train.iterations or (E and it % E == 0)):               # eval
-            hooks.phase(f"eval it {it}", eval_steps)
+            hooks.phase("eval", eval_steps, iteration=it)
             eval_row = evaluate(cfg, generator, tasks.held_out, it, learner.version, hooks.step)
         t4 = time.perf_counter()
         state.iteration, state.adapter_version = it, learner.version
