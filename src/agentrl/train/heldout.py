@@ -20,7 +20,7 @@ from pathlib import Path
 from agentrl.config import Config
 from agentrl.env.replay import engine_versions
 from agentrl.io import atomic_write_text
-from agentrl.models import cache_root, resolve_model
+from agentrl.models import cache_root, resolve_model, resolved_dtype
 from agentrl.prompt import default_prompt_dir
 from agentrl.weights import WeightsRef
 
@@ -62,7 +62,7 @@ def eval_key(cfg: Config, games, weights: str) -> str:
     import torch
 
     h = hashlib.sha256(json.dumps([
-        EVAL_KEY_VERSION, weights, model_id(cfg.model.name), cfg.model.dtype, cfg.model.device,
+        EVAL_KEY_VERSION, weights, model_id(cfg.model.name), resolved_dtype(cfg.model.dtype, cfg.model.device), cfg.model.device,
         dataclasses.asdict(cfg.prompt), dataclasses.asdict(cfg.sampling), cfg.env.kind, cfg.env.fuzzy_threshold,
         cfg.train.eval_split, cfg.t_max("train_eval"), [g.game_id for g in games], engine_versions(), torch.__version__,
     ], default=str).encode())

@@ -14,6 +14,7 @@ from agentrl.config import ADAPTER_RECORD, Config
 from agentrl.env import find_games
 from agentrl.env.data import round_robin, spread
 from agentrl.errors import UserError
+from agentrl.models import resolved_dtype
 
 DATASET_VERSION = 1  # bump when the way examples are built changes (invalidates caches)
 
@@ -57,6 +58,10 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
             # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
             **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
                if cfg.sft.expert != "walkthrough" else {}),
+            # the base weights' precision where it is not fp32 (bf16-if-native resolves per machine; full
+            # fine-tuning trains fp32 master weights); fp32 warm starts built before the setting keep their recipe
+            **({"dtype": dtype} if lc.lora_r and (dtype := resolved_dtype(cfg.model.dtype, cfg.model.device)) != "float32"
+               else {}),
             "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {})})
 
