@@ -140,6 +140,9 @@ def test_doctor_reports_what_this_machine_has(data_root, tmp_path):
     assert "140 game files" in row("ALFWorld valid_seen")
     assert "absent (optional" in row("ALFWorld valid_train") and "✓" in row("ALFWorld valid_train")
     assert "SmolLM2-135M-Instruct" in row("default model")
+    from agentrl.models import native_bf16
+
+    assert ("runs bf16 here" if native_bf16("cpu") else "runs fp32 here") in row("CPU bf16 matmuls")
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:  # CPU machines

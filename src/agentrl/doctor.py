@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from agentrl.config import OPTIONAL_SPLITS, SPLITS
 from agentrl.env.data import HOW_TO_GET, iter_game_files, resolve_data_root
 from agentrl.errors import UserError
-from agentrl.models import default_model_dir, is_prepared
+from agentrl.models import default_model_dir, is_prepared, native_bf16
 
 
 @dataclass
@@ -30,6 +30,7 @@ def check_python_and_torch() -> list[Check]:
 
     out = [Check("python", "ok", f"{platform.python_version()} ({platform.machine()})")]
     out.append(Check("torch", "ok", f"{torch.__version__}, {torch.get_num_threads()} CPU threads"))
+    out.append(check_cpu_bf16())
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n:
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n))
@@ -43,6 +44,14 @@ def check_python_and_torch() -> list[Check]:
         out.append(Check("CUDA devices", "warn", "none: the CPU path runs (hf sampler, small models)",
                          "for vLLM and the paper's tiers: a machine with NVIDIA GPUs and a CUDA build of torch"))
     return out
+
+
+def check_cpu_bf16() -> Check:
+    """Whether the CPU has bf16 matmuls: what model.dtype bf16-if-native (make train's config) runs at."""
+    if native_bf16("cpu"):
+        return Check("CPU bf16 matmuls", "ok", "yes (AVX512-BF16 or AMX): model.dtype bf16-if-native runs bf16 here")
+    return Check("CPU bf16 matmuls", "warn", "none: model.dtype bf16-if-native runs fp32 here (make train ~1.3x slower)",
+                 "a CPU with AVX512-BF16 or AMX (or a GPU)")
 
 
 def check_vllm() -> Check:

@@ -41,7 +41,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from agentrl.errors import UserError
-from agentrl.models import copy_full_weights, load_model, quiet_peft
+from agentrl.models import contiguous_head, copy_full_weights, load_model, quiet_peft
 from agentrl.procmem import reused_heap
 from agentrl.sampling.attention import check_backend, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
@@ -97,6 +97,7 @@ class HFSampler:
         self.cache_kwarg = cache_kwarg(model)  # read once: the forward's signature does not change with an adapter
         self.merge_adapter = merge_adapter  # serve the adapter merged into the weights (False: PEFT's LoRA layers)
         self._base_weights: dict[str, torch.Tensor] = {}  # each LoRA layer's base weight before any merge (host memory)
+        contiguous_head(model)  # a prefill's last-position logits through mm, not a bmm copying the head per row
         param = next(model.parameters())
         # the captured decode step (static.py): auto = on where CUDA is; "on" runs the same step eagerly on a CPU
         on = static_decode == "on" or (static_decode == "auto" and param.device.type == "cuda")

@@ -25,7 +25,7 @@ from agentrl import faults
 from agentrl.config import Config, LearnerConfig, effective_prompt, write_adapter_record
 from agentrl.errors import UserError
 from agentrl.io import atomic_path
-from agentrl.models import copy_full_weights, load_model, quiet_peft, save_full_weights
+from agentrl.models import contiguous_head, copy_full_weights, load_model, quiet_peft, save_full_weights
 from agentrl.rollout.trajectory import is_zero, step_allowed, step_sequences, token_advantages, trained_tokens
 from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
@@ -125,6 +125,7 @@ class LocalLearner:
         `prompt`: the run's prompt settings (`config.effective_prompt`), recorded in every adapter
         this learner writes (agentrl.json), so evaluating one uses the prompt it was trained with."""
         torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
+        contiguous_head(model)  # the vocabulary projection of strided hidden states through mm (models.py)
         self.cfg, self.init_adapter, self.seed = cfg, init_adapter, seed
         self.kind = "full" if cfg.lora_r == 0 else "lora"
         if self.kind == "full":
