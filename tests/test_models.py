@@ -104,3 +104,49 @@ def test_an_unknown_dtype_is_refused_in_one_line():
 
     with pytest.raises(UserError, match=r"model.dtype must be auto\|bf16-if-native\|float32\|bfloat16\|float16, got 'bf16'"):
         load_config(None, {"model.dtype": "bf16"})
+
+
+def _fresh_llama(tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)).eval()
+
+
+def test_the_vocabulary_projection_sees_contiguous_hidden_states_and_gives_the_same_logits(tokenizer):
+    """contiguous_head: transformers projects hidden[:, -1:, :] (a strided view, `logits_to_keep`),
+    which torch's CPU matmul ran as a bmm copying the head per row; the hook hands the head a
+    contiguous copy, once registered however often it is asked, and the logits stay the same."""
+    import torch
+
+    from agentrl.models import contiguous_head
+
+    model = _fresh_llama(tokenizer)
+    seen, head = [], model.get_output_embeddings()
+    spy = lambda m, args: seen.append(args[0].is_contiguous())  # noqa: E731
+    ids = torch.randint(0, len(tokenizer), (3, 7))
+    with torch.no_grad():
+        handle = head.register_forward_pre_hook(spy)
+        before = model(input_ids=ids, logits_to_keep=1).logits
+        handle.remove()
+        assert seen == [False]  # the strided view the fix is for
+        contiguous_head(contiguous_head(model))
+        assert len(head._forward_pre_hooks) == 1  # registered once
+        head.register_forward_pre_hook(spy)  # runs after ours
+        after = model(input_ids=ids, logits_to_keep=1).logits
+    assert seen == [False, True]
+    assert torch.allclose(before, after, atol=1e-6, rtol=0)
+
+
+def test_the_sampler_and_the_learner_feed_their_head_contiguous_states(tokenizer):
+    from agentrl.config import LearnerConfig
+    from agentrl.sampling.hf import HFSampler
+    from agentrl.train.learner import LocalLearner
+
+    sampled, learned = _fresh_llama(tokenizer), _fresh_llama(tokenizer)
+    HFSampler(sampled, tokenizer)
+    LocalLearner(learned, LearnerConfig(lora_r=4, lora_alpha=8))
+    assert sampled.get_output_embeddings()._agentrl_contiguous and learned.get_output_embeddings()._agentrl_contiguous
