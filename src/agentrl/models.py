@@ -214,8 +214,8 @@ def contiguous_head(model):
     output embeddings, registered once). transformers projects `hidden[:, -k:, :]`, a strided view
     (`logits_to_keep`, every prefill forward's last position; the learner's chunks of hidden states),
     and torch's CPU matmul takes a strided 3-D input through bmm with the weight expanded and copied
-    per row: measured on the 2-core CPU for 48 rows, 243 ms against 33 ms in fp32 and 2,269 ms
-    against 10 ms in bf16 (benchmarks/bench_head.py). The copy of [rows, hidden] costs nothing."""
+    per row: measured on the 2-core CPU for 48 rows, 228 ms against 32 ms in fp32 and 2,391 ms
+    against 12 ms in bf16 (benchmarks/bench_head.py). The copy of [rows, hidden] costs nothing."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and not getattr(head, "_agentrl_contiguous", False):
         head.register_forward_pre_hook(_contiguous_input)
