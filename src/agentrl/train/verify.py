@@ -104,8 +104,12 @@ def verifier(cfg: Config) -> LocalLearner:
 def precision(cfg: Config, learner: LocalLearner) -> str:
     """fp32 when the sampler's weights and the learner's forward both are; else the lower one."""
     device = pick_device(cfg.model.device)
-    vllm_auto = cfg.sampling.backend == "vllm" and cfg.model.dtype == "auto"  # vLLM's auto is bf16, also on fp32 weights
-    sampler = torch.bfloat16 if vllm_auto else pick_dtype(cfg.model.dtype, device)
+    if cfg.sampling.backend == "vllm":  # the dtype the engine is given (its auto is bf16, also on fp32 weights)
+        from agentrl.sampling.vllm import vllm_dtype
+
+        sampler = getattr(torch, vllm_dtype(cfg.model.dtype))
+    else:
+        sampler = pick_dtype(cfg.model.dtype, device)
     forward = autocast_dtype(learner.cfg.autocast, learner.device) or learner.model.dtype
     low = [_NAMES.get(d, str(d)) for d in (sampler, forward) if d != torch.float32]
     return low[0] if low else "fp32"
