@@ -14,14 +14,22 @@ the model's device and dtype. A kernel that cannot run them is refused in one li
 device and the kernels that can, before any work starts; never a silent fallback, so a timing
 taken under a pin is the pinned kernel's. Flash takes no mask on CUDA, so it is refused there;
 on the CPU the fused ("flash") kernel takes one, and is SDPA's own choice.
+
+A decode step on a CPU runs agentrl's own kernel instead (`sampling.decode_attention`,
+cpu_attention.py) unless SDPA is asked for: `decode_kernel_for` decides once, when the sampler
+is built.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 from agentrl.config import ATTENTION_BACKENDS as BACKENDS
+from agentrl.config import DECODE_ATTENTION
 from agentrl.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # a prefill forward's transient memory (issue 47, item 4): where attention materialises its
 # scores (the math kernel: fp32, every query head), under the cap the engine always had; with a
@@ -171,3 +179,30 @@ def prefill_sizer(name: str, device, dtype, config):
     return functools.partial(prefill_fits, heads=text_config(config).num_attention_heads,
                              scores=materialises_scores(name, device, dtype, config), mask_bytes=1 + 2 * size,
                              per_token=token_bytes(config, size))
+
+
+def decode_kernel_for(name: str, attention_backend: str, device) -> bool:
+    """Whether the sampler's decode steps run agentrl's CPU kernel (`sampling.decode_attention`):
+    auto = on a CPU where it builds and no SDPA kernel is pinned (a pin asks for SDPA's kernel,
+    so a timing under it is SDPA's); kernel = there or a one-line refusal; sdpa = never."""
+    import torch
+
+    if name not in DECODE_ATTENTION:
+        raise UserError(f"sampling.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
+    device = torch.device(device)
+    if name == "sdpa" or (name == "auto" and attention_backend != "auto"):
+        return False
+    if device.type != "cpu":
+        if name == "kernel":
+            raise UserError(f"sampling.decode_attention=kernel: agentrl's decode kernel runs on a CPU, this sampler on "
+                            f"{device}; choose auto or sdpa")
+        return False
+    from agentrl.sampling import cpu_attention
+
+    why = cpu_attention.available()
+    if why is None:
+        return True
+    if name == "kernel":
+        raise UserError(f"sampling.decode_attention=kernel: {why}; choose auto or sdpa")
+    log.warning("decode steps run SDPA's attention: %s", why)
+    return False

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from agentrl.errors import RunError
+from agentrl.sampling import cpu_attention
 from agentrl.sampling.budget import gb
 from agentrl.sampling.compat import kv_bytes_per_token, kv_shape, text_config
 
@@ -59,17 +61,29 @@ class KVBudgetError(RunError):
 # ---------------------------------------------------------------- attention
 
 
+# whether a decode step's attention runs agentrl's CPU kernel (cpu_attention.py), set around the
+# sampler's calls by `use_slot_attention` (attention.decode_kernel_for decides)
+_decode_kernel: ContextVar[bool] = ContextVar("agentrl_decode_kernel", default=False)
+
+
 def slot_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention of `query` [b, Hq, M, D] over the slot rows `key`/`value` [b, Hkv, L, D] with the
     store's boolean mask [b, 1, M, L]. Query heads are grouped per KV head (a decode step: the g
     query heads of a KV head become g query rows of it; a prefill: SDPA's enable_gqa), so no
-    copy of K or V is made for each query head."""
+    copy of K or V is made for each query head. A decode step runs agentrl's CPU kernel where the
+    sampler chose it, else SDPA."""
     b, hq, m, d = query.shape
     hkv = key.shape[1]
-    if m == 1 and hq != hkv:
+    if m == 1:
         g = hq // hkv
         q = query.reshape(b, hkv, g, d)
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask.reshape(b, 1, 1, -1), scale=scaling)
+        mask = attention_mask.reshape(b, 1, 1, -1)
+        out = None
+        if _decode_kernel.get():
+            scale = scaling if scaling is not None else d ** -0.5
+            out = cpu_attention.decode(q, key, value, mask, scale)
+        if out is None:
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
         return out.reshape(b, 1, hq, d), None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                          enable_gqa=hq != hkv)
@@ -81,17 +95,21 @@ AttentionInterface.register(ATTENTION, slot_attention)
 
 class use_slot_attention:
     """Route the model's attention through `slot_attention` for the duration of a sampler call
-    (restored after, so a learner sharing the model keeps its own attention)."""
+    (restored after, so a learner sharing the model keeps its own attention); `decode_kernel`:
+    decode steps run agentrl's CPU kernel in it."""
 
-    def __init__(self, model):
+    def __init__(self, model, decode_kernel: bool = False):
         self.config = text_config(model.config)
+        self.decode_kernel = decode_kernel
 
     def __enter__(self):
         self.previous = self.config._attn_implementation
         self.config._attn_implementation = ATTENTION
+        self.token = _decode_kernel.set(self.decode_kernel)
 
     def __exit__(self, *exc):
         self.config._attn_implementation = self.previous
+        _decode_kernel.reset(self.token)
 
 
 # ---------------------------------------------------------------- the storage

@@ -1,0 +1,169 @@
+"""The decode step's attention on a CPU: a small C kernel (decode_attention.c), built once per
+machine with the system's C compiler and called through ctypes (`sampling.decode_attention`).
+
+Why: a decode step attends G query heads of each KV head over a row's whole context, which on a
+CPU is memory traffic: K and V read once. SDPA's CPU kernel runs it as small GEMMs over blocks of
+keys and is held by compute, not by memory (2-core workplace CPU, 48 rows × 2,048 keys × 30
+layers: ~16 GB/s in fp32 and ~8 in bf16, against ~29 GB/s of reads); at `make train`'s context
+lengths it was 44% of an eval's generate time. The kernel reads each unmasked key's K and V once,
+skips masked keys, and runs at the bandwidth in fp32 (benchmarks/bench_decode_attention.py).
+
+Building: `cc -O3 -march=native -ffast-math -fopenmp` (libmvec's vector expf), linked against the
+libgomp torch loaded (one OpenMP thread team: see decode_attention.c), into the cache root
+(`kernels/decode-attention-<hash>.so`, the hash over the source, the flags, the compiler's version
+and the CPU's flags, so a home shared by two machines never loads the other's build), written
+atomically; ~0.5 s once. Where no compiler is found or the build fails, `load()` says why and the
+sampler runs SDPA (`auto`), or refuses to start (`kernel`).
+
+The contract (tests/test_cpu_attention.py holds it against SDPA): `decode(q, k, v, mask, scale)`
+with q [b, Hkv, G, D] (a decode step's query heads folded per KV head), k/v [b, Hkv, L, D] (views
+of the slot store: any strides with a contiguous last dimension), mask [b, 1, 1, L] boolean,
+returns SDPA's attention [b, Hkv, G, D] in q's dtype (fp32 to ~1e-6; bf16 to its rounding), zeros
+for a row with no unmasked key (as SDPA's CPU kernels give), or None for what it does not take
+(another dtype or device, G > 16, D > 256), where the caller runs SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from agentrl.io import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+MAX_G, MAX_D = 16, 256  # the C kernel's stack buffers (decode_attention.c)
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why in one line."""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _torch_gomp() -> str | None:
+    """The OpenMP runtime torch runs on (its wheel's own libgomp), as loaded in this process: the
+    kernel is linked against that very file, so loading it adds no second runtime (whose threads
+    would contend with torch's on few cores); None where none is loaded (the compiler's own is linked)."""
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            if Path(path).name.startswith("libgomp") and ".so" in path:
+                return path
+    except OSError:
+        pass
+    return None
+
+
+def _link_flags() -> list[str]:
+    gomp = _torch_gomp()
+    return ["-shared", gomp, "-lm"] if gomp else ["-shared", "-fopenmp", "-lm"]
+
+
+def _build_key(cc: str) -> str:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from None
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + _link_flags()).encode(), version.encode(),
+                 platform.machine().encode(), _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        # compiled and linked apart: linking with -fopenmp would add the compiler's libgomp
+        for command in ([cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.o"], [cc, f"{tmp}.o", *_link_flags(), "-o", tmp]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+                raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {first}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same file
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {e}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        Path(f"{tmp}.o").unlink(missing_ok=True)
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The kernel's C function, built first if this machine has no build of it yet. Raises
+    KernelUnavailable (one line) where it cannot be had."""
+    if platform.system() != "Linux":
+        raise KernelUnavailable(f"the decode-attention kernel is built for Linux only, not {platform.system()}")
+    cc = _compiler()
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (cc, gcc or $CC) to build the decode-attention kernel")
+    target = cache_root() / "kernels" / f"decode-attention-{_build_key(cc)}.so"
+    if not target.exists():
+        _build(cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise KernelUnavailable(f"the decode-attention kernel {target} does not load: {e}") from None
+    fn = lib.agentrl_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int,
+                                                                              ctypes.c_int]
+    return fn
+
+
+def available() -> str | None:
+    """None where the kernel is ready; else why not, in one line."""
+    try:
+        load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """SDPA(q, k, v, mask) for one decode step (the module's contract), or None where the kernel
+    does not take the call."""
+    b, h, g, d = q.shape
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype
+            or v.dtype != q.dtype or g > MAX_G or d > MAX_D or k.shape[:2] != (b, h) or v.shape != k.shape
+            or mask.dtype != torch.bool or mask.numel() != b * k.shape[2]):
+        return None
+    L = k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    m = mask.reshape(b, L)
+    if m.stride(-1) != 1:
+        m = m.contiguous()
+    out = torch.empty((b, h, g, d), dtype=q.dtype)
+    shape = (ctypes.c_int64 * 18)(b, h, g, d, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], m.stride(0),
+                                  *out.stride()[:3])
+    rc = load()(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), float(scale),
+                int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out if rc == 0 else None
