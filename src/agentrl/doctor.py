@@ -31,6 +31,7 @@ def check_python_and_torch() -> list[Check]:
     out = [Check("python", "ok", f"{platform.python_version()} ({platform.machine()})")]
     out.append(Check("torch", "ok", f"{torch.__version__}, {torch.get_num_threads()} CPU threads"))
     out.append(check_cpu_bf16())
+    out.append(check_decode_kernel())
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n:
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(n))
@@ -52,6 +53,17 @@ def check_cpu_bf16() -> Check:
         return Check("CPU bf16 matmuls", "ok", "yes (AVX512-BF16 or AMX): model.dtype bf16-if-native runs bf16 here")
     return Check("CPU bf16 matmuls", "warn", "none: model.dtype bf16-if-native runs fp32 here (make train ~1.3x slower)",
                  "a CPU with AVX512-BF16 or AMX (or a GPU)")
+
+
+def check_decode_kernel() -> Check:
+    """Whether agentrl's CPU decode-attention kernel builds here (sampling.decode_attention auto
+    runs it; SDPA otherwise). Building it is the check: once a machine, ~1 s."""
+    from agentrl.sampling import cpu_attention
+
+    why = cpu_attention.available()
+    if why is None:
+        return Check("CPU decode attention", "ok", "agentrl's kernel (built with the C compiler; 2-3x SDPA's)")
+    return Check("CPU decode attention", "warn", f"SDPA: {why}", "a C compiler (gcc) for agentrl's kernel")
 
 
 def check_vllm() -> Check:
