@@ -20,6 +20,9 @@ from agentrl.sampling.hf import HFSampler
 from agentrl.sampling.kv import slot_attention, use_slot_attention
 from scripted import rows
 
+# the kernel is built with the machine's C compiler (CI's has gcc); without one `auto` runs SDPA
+needs_cc = pytest.mark.skipif(cpu_attention._compiler() is None, reason="no C compiler to build the kernel")
+
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
@@ -45,6 +48,7 @@ def _case(b, h, g, d, L, dtype, capacity_extra=7, seed=0):
     return q, k, v, mask
 
 
+@needs_cc
 @pytest.mark.parametrize("g,d", [(3, 64), (1, 64), (2, 16), (7, 128), (4, 80)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_the_kernel_is_sdpa(g, d, dtype, tol):
@@ -57,6 +61,7 @@ def test_the_kernel_is_sdpa(g, d, dtype, tol):
     assert (out.float() - ref).abs().max().item() <= tol
 
 
+@needs_cc
 def test_one_thread_and_two_agree_exactly():
     q, k, v, mask = _case(6, 3, 3, 64, 500, torch.float32)
     threads = torch.get_num_threads()
@@ -70,6 +75,7 @@ def test_one_thread_and_two_agree_exactly():
     assert torch.equal(one, two)  # each (row, head) is one thread's: no order of sums depends on the split
 
 
+@needs_cc
 def test_what_the_kernel_does_not_take_is_left_to_sdpa():
     q, k, v, mask = _case(2, 3, 3, 64, 40, torch.float32)
     assert cpu_attention.decode(q.half(), k.half(), v.half(), mask, 0.125) is None  # fp16
@@ -79,6 +85,7 @@ def test_what_the_kernel_does_not_take_is_left_to_sdpa():
     assert cpu_attention.decode(q, k, v, mask.float(), 0.125) is None  # not a boolean mask
 
 
+@needs_cc
 def test_slot_attention_runs_the_kernel_only_inside_a_kernel_call(monkeypatch, tiny_model):
     calls = []
     real = cpu_attention.decode
@@ -97,6 +104,7 @@ def test_slot_attention_runs_the_kernel_only_inside_a_kernel_call(monkeypatch, t
     assert len(calls) == 1  # the setting ends with the block
 
 
+@needs_cc
 def test_the_samplers_replies_and_logprobs_with_the_kernel_are_sdpas(tiny_model, tokenizer):
     """fp32: greedy tokens identical and log-probs to 1e-5, over a first turn and a reused one
     (so decode steps read cached and new keys), and sampled at temperature 1 with seeds."""
@@ -115,6 +123,7 @@ def test_the_samplers_replies_and_logprobs_with_the_kernel_are_sdpas(tiny_model,
         assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+@needs_cc
 def test_the_setting_decides_once_and_refuses_in_one_line(fresh_build, monkeypatch, caplog):
     assert decode_kernel_for("auto", "auto", "cpu") is True
     assert decode_kernel_for("sdpa", "auto", "cpu") is False
@@ -144,6 +153,7 @@ def test_an_unknown_setting_is_refused_by_the_config():
     assert load_config(None, {}).sampling.decode_attention == "auto"
 
 
+@needs_cc
 def test_the_build_is_kept_and_reused_and_a_failed_build_leaves_nothing(fresh_build, monkeypatch):
     cpu_attention.load()
     built = list((fresh_build / "kernels").iterdir())
@@ -168,3 +178,12 @@ def test_the_build_is_kept_and_reused_and_a_failed_build_leaves_nothing(fresh_bu
     why = cpu_attention.available()
     assert why is not None and "\n" not in why and "could not build bad.c" in why
     assert sorted(p.name for p in (fresh_build / "kernels").iterdir()) == [built[0].name]
+
+
+def test_a_cache_it_cannot_write_is_one_line_and_auto_runs_sdpa(monkeypatch, tmp_path, fresh_build):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("AGENTRL_CACHE", str(blocker / "cache"))  # under a file: no directory can be made
+    why = cpu_attention.available()
+    assert why is not None and "\n" not in why and why.startswith("cannot write the decode-attention kernel into")
+    assert decode_kernel_for("auto", "auto", "cpu") is False

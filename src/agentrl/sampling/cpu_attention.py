@@ -98,8 +98,11 @@ def _build_key(cc: str) -> str:
 
 
 def _build(cc: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the decode-attention kernel into {target.parent}: {e}") from None
     os.close(fd)
     try:
         # compiled and linked apart: linking with -fopenmp would add the compiler's libgomp
