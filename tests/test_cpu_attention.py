@@ -49,7 +49,7 @@ def _case(b, h, g, d, L, dtype, capacity_extra=7, seed=0):
 
 
 @needs_cc
-@pytest.mark.parametrize("g,d", [(3, 64), (1, 64), (2, 16), (7, 128), (4, 80)])
+@pytest.mark.parametrize("g,d", [(3, 64), (1, 64), (4, 64), (7, 64), (2, 16), (7, 128), (4, 80)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_the_kernel_is_sdpa(g, d, dtype, tol):
     q, k, v, mask = _case(5, 3, g, d, 300, dtype)
