@@ -10,8 +10,8 @@
    largest difference from SDPA.
 2. `--eval N,STEPS`: `agentrl eval` of the first N valid_seen games at T_max STEPS with `--config`
    (default configs/default.yaml; `--dtype` overrides its model.dtype) and `--adapter`, with
-   `sampling.decode_attention` sdpa and then auto (the kernel), one after the other in this
-   process: wall seconds, generate seconds, the ratio, and whether every episode's actions match.
+   `sampling.decode_attention` sdpa and then auto (the kernel; `--arms auto,sdpa` the other way
+   round), one after the other in this process: wall seconds, generate seconds, the ratio, and whether every episode's actions match.
 
 Usage:
     python benchmarks/bench_decode_attention.py                   # the op
@@ -69,7 +69,7 @@ def bench_op(rows: list[int], lengths: list[int], dtypes: list[torch.dtype], cal
                       f"{read / sdpa / 1e6:.1f} | {read / kernel / 1e6:.1f} | {diff:.1e} |")
 
 
-def bench_eval(spec: str, config: str, adapter: str | None, dtype: str | None) -> None:
+def bench_eval(spec: str, config: str, adapter: str | None, dtype: str | None, arms: list[str]) -> None:
     from agentrl.config import load_config
     from agentrl.evaluate import run_eval
 
@@ -78,7 +78,7 @@ def bench_eval(spec: str, config: str, adapter: str | None, dtype: str | None) -
     if dtype:
         overrides["model.dtype"] = dtype
     results = {}
-    for arm in ("sdpa", "auto"):
+    for arm in arms:
         cfg = load_config(config, {**overrides, "sampling.decode_attention": arm})
         start = time.perf_counter()
         result = run_eval(cfg)
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--adapter", default=None)
     ap.add_argument("--dtype", default=None, help="the eval's model.dtype (default: the config's)")
+    ap.add_argument("--arms", default="sdpa,auto", help="the evals' order (auto,sdpa: the kernel first)")
     args = ap.parse_args()
     from agentrl.models import native_bf16
 
@@ -113,7 +114,7 @@ def main() -> None:
     bench_op([int(r) for r in args.rows.split(",")], [int(n) for n in args.lengths.split(",")], dtypes, args.calls,
              args.repeats)
     if args.eval:
-        bench_eval(args.eval, args.config, args.adapter, args.dtype)
+        bench_eval(args.eval, args.config, args.adapter, args.dtype, args.arms.split(","))
 
 
 if __name__ == "__main__":
