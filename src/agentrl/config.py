@@ -119,7 +119,7 @@ class SamplingConfig:
     # when the sampler starts (docs/gpu.md#the-attention-kernel-samplingattention_backend)
     attention_backend: str = "auto"
     # hf: a decode step's attention on a CPU: auto (agentrl's C kernel, sampling/cpu_attention.py,
-    # built once with the system's C compiler: 2-3x SDPA's at long contexts; SDPA where it cannot be
+    # built once with the system's C compiler: 2.4x SDPA's in fp32, 5x in bf16; SDPA where it cannot be
     # built or attention_backend pins an SDPA kernel) | kernel (the kernel or a one-line refusal) |
     # sdpa (SDPA always, as before 2026-12-05). Prefill forwards and GPUs always run SDPA.
     decode_attention: str = "auto"

@@ -62,7 +62,7 @@ def check_decode_kernel() -> Check:
 
     why = cpu_attention.available()
     if why is None:
-        return Check("CPU decode attention", "ok", "agentrl's kernel (built with the C compiler; 2-3x SDPA's)")
+        return Check("CPU decode attention", "ok", "agentrl's kernel (built with the C compiler; 2.4-5x SDPA's)")
     return Check("CPU decode attention", "warn", f"SDPA: {why}", "a C compiler (gcc) for agentrl's kernel")
 
 
