@@ -104,23 +104,32 @@ def test_slot_attention_runs_the_kernel_only_inside_a_kernel_call(monkeypatch, t
     assert len(calls) == 1  # the setting ends with the block
 
 
+def _teacher_forced(model, prompt, ids):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(ids)]
+
+
 @needs_cc
-def test_the_samplers_replies_and_logprobs_with_the_kernel_are_sdpas(tiny_model, tokenizer):
-    """fp32: greedy tokens identical and log-probs to 1e-5, over a first turn and a reused one
-    (so decode steps read cached and new keys), and sampled at temperature 1 with seeds."""
+def test_the_samplers_logprobs_with_the_kernel_are_a_teacher_forced_forwards(monkeypatch, tiny_model, tokenizer):
+    """fp32: each reply's log-probs, greedy and sampled at temperature 1, equal a teacher-forced
+    forward of the same tokens (SDPA over the whole sequence) to 1e-5, over a first turn and a
+    reused one (decode steps then read cached and new keys), with every decode step through the
+    kernel. Whatever tokens this CPU's floats pick, the check is on those tokens."""
+    calls = []
+    real = cpu_attention.decode
+    monkeypatch.setattr(cpu_attention, "decode", lambda *a: calls.append(1) or real(*a))
     prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in
                ["Thought: short", "a somewhat longer prompt so that left padding matters here", "x"]]
     greedy, sampled = SamplingParams(temperature=0, max_new_tokens=10), SamplingParams(temperature=1.0, max_new_tokens=8)
-    out = {}
-    for name in ("kernel", "sdpa"):
-        sampler = HFSampler(tiny_model, tokenizer, decode_attention=name)
-        assert sampler.decode_kernel is (name == "kernel")
-        first = sampler.generate(rows(prompts, keys=["a", "b", "c"]), greedy)
-        turn = [p + c.token_ids + prompts[0] for p, c in zip(prompts, first)]
-        second = sampler.generate(rows(turn, seeds=[1, 2, 3], keys=["a", "b", "c"]), sampled)
-        out[name] = first + second
-    for a, b in zip(out["kernel"], out["sdpa"]):
-        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    sampler = HFSampler(tiny_model, tokenizer, decode_attention="kernel")
+    assert sampler.decode_kernel is True and HFSampler(tiny_model, tokenizer, decode_attention="sdpa").decode_kernel is False
+    first = sampler.generate(rows(prompts, keys=["a", "b", "c"]), greedy)
+    turn = [p + c.token_ids + prompts[0] for p, c in zip(prompts, first)]
+    second = sampler.generate(rows(turn, seeds=[1, 2, 3], keys=["a", "b", "c"]), sampled)
+    assert calls and len(calls) % tiny_model.config.num_hidden_layers == 0  # every layer of every decode step
+    for prompt, c in zip(prompts + turn, first + second):
+        assert c.logprobs == pytest.approx(_teacher_forced(tiny_model, prompt, c.token_ids), abs=1e-5)
 
 
 @needs_cc

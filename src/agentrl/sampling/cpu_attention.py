@@ -29,19 +29,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from agentrl.io import cache_root
-
-log = logging.getLogger(__name__)
+from agentrl.io import atomic_path, cache_root
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -85,39 +81,39 @@ def _link_flags() -> list[str]:
     return ["-shared", gomp, "-lm"] if gomp else ["-shared", "-fopenmp", "-lm"]
 
 
-def _build_key(cc: str) -> str:
+def _build_key(cc: str, link: list[str]) -> str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {cc} does not run: {e}") from None
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + _link_flags()).encode(), version.encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + link).encode(), version.encode(), platform.machine().encode(),
+                 _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, link: list[str], target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as e:
         raise KernelUnavailable(f"cannot write the decode-attention kernel into {target.parent}: {e}") from None
-    os.close(fd)
     try:
-        # compiled and linked apart: linking with -fopenmp would add the compiler's libgomp
-        for command in ([cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.o"], [cc, f"{tmp}.o", *_link_flags(), "-o", tmp]):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-                raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {first}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same file
+        # written atomically: a concurrent build of the same key writes the same file
+        with atomic_path(target, directory=False) as tmp:
+            obj = tmp.with_name(f"{tmp.name}.o")
+            try:
+                # compiled and linked apart: linking with -fopenmp would add the compiler's libgomp
+                for command in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], [cc, str(obj), *link, "-o", str(tmp)]):
+                    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                    if done.returncode != 0:
+                        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+                        raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {first}")
+            finally:
+                obj.unlink(missing_ok=True)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{cc} could not build {SOURCE.name}: {e}") from None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-        Path(f"{tmp}.o").unlink(missing_ok=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,9 +125,10 @@ def load():
     cc = _compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found (cc, gcc or $CC) to build the decode-attention kernel")
-    target = cache_root() / "kernels" / f"decode-attention-{_build_key(cc)}.so"
+    link = _link_flags()
+    target = cache_root() / "kernels" / f"decode-attention-{_build_key(cc, link)}.so"
     if not target.exists():
-        _build(cc, target)
+        _build(cc, link, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
