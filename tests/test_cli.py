@@ -145,7 +145,7 @@ def test_doctor_reports_what_this_machine_has(data_root, tmp_path):
     assert ("runs bf16 here" if native_bf16("cpu") else "runs fp32 here") in row("CPU bf16 matmuls")
     from agentrl.sampling.cpu_attention import _compiler
 
-    assert ("agentrl's kernel" if _compiler() else "SDPA: no C compiler") in row("CPU decode attention")
+    assert ("agentrl's kernel" if _compiler() else "SDPA: no C compiler") in row("CPU attention")
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:  # CPU machines

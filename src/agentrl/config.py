@@ -71,7 +71,7 @@ PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
 ACTION_SPACES = ("free", "admissible")  # sampling.action_space: free text + fuzzy mapping | constrained decoding
 ATTENTION_BACKENDS = ("auto", "cudnn", "efficient", "math", "flash")  # sampling.attention_backend: SDPA's kernels
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # sampling.decode_attention: the decode step's attention on a CPU
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # sampling.decode_attention / prefill_attention: attention on a CPU
 
 
 @dataclass
@@ -121,8 +121,13 @@ class SamplingConfig:
     # hf: a decode step's attention on a CPU: auto (agentrl's C kernel, sampling/cpu_attention.py,
     # built once with the system's C compiler: 2.4x SDPA's in fp32, 5x in bf16; SDPA where it cannot be
     # built or attention_backend pins an SDPA kernel) | kernel (the kernel or a one-line refusal) |
-    # sdpa (SDPA always, as before 2026-12-05). Prefill forwards and GPUs always run SDPA.
+    # sdpa (SDPA always, as before 2026-12-05). GPUs always run SDPA.
     decode_attention: str = "auto"
+    # hf: a prefill's attention on a CPU (a turn's new tokens, M at once): auto (agentrl's C kernel,
+    # the same build: 2.5-3.6x SDPA's in bf16, 1.3-2.2x in fp32; SDPA where it cannot be built, the CPU
+    # lacks AVX-512 (bf16: AVX512-BF16), the head size is not 64 or 128, or attention_backend pins an
+    # SDPA kernel) | kernel (the kernel or a one-line refusal) | sdpa (SDPA always, as before 2026-12-05)
+    prefill_attention: str = "auto"
     # hf: under the admissible action space, a forced token (the one way an alive command goes on,
     # ~81% of a reply's tokens) is taken without a forward of its own and fed with the next one
     # (sampling/jump.py: the same replies and log-probs); the eager loop only, not the captured step
@@ -486,6 +491,8 @@ def _check_sampling(c: Config) -> Checks:
          f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
         (s.decode_attention in DECODE_ATTENTION,
          f"sampling.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {s.decode_attention!r}"),
+        (s.prefill_attention in DECODE_ATTENTION,
+         f"sampling.prefill_attention must be one of {', '.join(DECODE_ATTENTION)}, got {s.prefill_attention!r}"),
         (s.action_space in ACTION_SPACES, f"sampling.action_space must be free or admissible, got {s.action_space!r}"),
         (isinstance(s.loop_guard, int) and not isinstance(s.loop_guard, bool) and s.loop_guard >= 0,
          f"sampling.loop_guard must be a cycle length >= 0 (0: off), got {s.loop_guard!r}"),

@@ -56,14 +56,20 @@ def check_cpu_bf16() -> Check:
 
 
 def check_decode_kernel() -> Check:
-    """Whether agentrl's CPU decode-attention kernel builds here (sampling.decode_attention auto
-    runs it; SDPA otherwise). Building it is the check: once a machine, ~1 s."""
+    """Whether agentrl's CPU attention kernel builds here (sampling.decode_attention and
+    prefill_attention auto run it; SDPA otherwise), and which prefills it runs on this CPU.
+    Building it is the check: once a machine, ~1 s."""
+    import torch
+
     from agentrl.sampling import cpu_attention
 
     why = cpu_attention.available()
     if why is None:
-        return Check("CPU decode attention", "ok", "agentrl's kernel (built with the C compiler; 2.4-5x SDPA's)")
-    return Check("CPU decode attention", "warn", f"SDPA: {why}", "a C compiler (gcc) for agentrl's kernel")
+        dtypes = [name for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                  if cpu_attention.prefill_unavailable(dtype, 64) is None]
+        prefill = f"prefills in {' and '.join(dtypes)}" if dtypes else "prefills: SDPA (no AVX-512 here)"
+        return Check("CPU attention", "ok", f"agentrl's kernel (built with the C compiler): decode steps, {prefill}")
+    return Check("CPU attention", "warn", f"SDPA: {why}", "a C compiler (gcc) for agentrl's kernel")
 
 
 def check_vllm() -> Check:

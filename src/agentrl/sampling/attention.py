@@ -15,9 +15,9 @@ device and the kernels that can, before any work starts; never a silent fallback
 taken under a pin is the pinned kernel's. Flash takes no mask on CUDA, so it is refused there;
 on the CPU the fused ("flash") kernel takes one, and is SDPA's own choice.
 
-A decode step on a CPU runs agentrl's own kernel instead (`sampling.decode_attention`,
-cpu_attention.py) unless SDPA is asked for: `decode_kernel_for` decides once, when the sampler
-is built.
+A decode step and a prefill on a CPU run agentrl's own kernel instead (`sampling.decode_attention`,
+`sampling.prefill_attention`; cpu_attention.py) unless SDPA is asked for: `decode_kernel_for` and
+`prefill_kernel_for` decide once, when the sampler is built.
 """
 
 from __future__ import annotations
@@ -181,28 +181,49 @@ def prefill_sizer(name: str, device, dtype, config):
                              per_token=token_bytes(config, size))
 
 
-def decode_kernel_for(name: str, attention_backend: str, device) -> bool:
-    """Whether the sampler's decode steps run agentrl's CPU kernel (`sampling.decode_attention`):
-    auto = on a CPU where it builds and no SDPA kernel is pinned (a pin asks for SDPA's kernel,
-    so a timing under it is SDPA's); kernel = there or a one-line refusal; sdpa = never."""
+def _cpu_kernel_for(setting: str, what: str, name: str, attention_backend: str, device, unavailable) -> bool:
+    """Whether `what` ("decode": decode steps, "prefill": prefills) runs agentrl's CPU kernel
+    (`sampling.<setting>`):
+    auto = on a CPU where it runs (`unavailable()` is None) and no SDPA kernel is pinned (a pin asks
+    for SDPA's kernel, so a timing under it is SDPA's); kernel = there or a one-line refusal;
+    sdpa = never."""
     import torch
 
     if name not in DECODE_ATTENTION:
-        raise UserError(f"sampling.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
+        raise UserError(f"sampling.{setting} must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
     device = torch.device(device)
     if name == "sdpa" or (name == "auto" and attention_backend != "auto"):
         return False
     if device.type != "cpu":
         if name == "kernel":
-            raise UserError(f"sampling.decode_attention=kernel: agentrl's decode kernel runs on a CPU, this sampler on "
+            raise UserError(f"sampling.{setting}=kernel: agentrl's {what} kernel runs on a CPU, this sampler on "
                             f"{device}; choose auto or sdpa")
         return False
-    from agentrl.sampling import cpu_attention
-
-    why = cpu_attention.available()
+    why = unavailable()
     if why is None:
         return True
     if name == "kernel":
-        raise UserError(f"sampling.decode_attention=kernel: {why}; choose auto or sdpa")
-    log.warning("decode steps run SDPA's attention: %s", why)
+        raise UserError(f"sampling.{setting}=kernel: {why}; choose auto or sdpa")
+    # a decode step says why as a warning (a compiler is the fix); a prefill's reasons beyond the
+    # decode step's (a dtype, a head size, a CPU it does not take) are nothing to fix: said as info
+    level = logging.WARNING if what == "decode" else logging.INFO
+    log.log(level, "%s run SDPA's attention: %s", {"decode": "decode steps"}.get(what, f"{what}s"), why)
     return False
+
+
+def decode_kernel_for(name: str, attention_backend: str, device) -> bool:
+    """Whether the sampler's decode steps run agentrl's CPU kernel (`sampling.decode_attention`)."""
+    from agentrl.sampling import cpu_attention
+
+    return _cpu_kernel_for("decode_attention", "decode", name, attention_backend, device, cpu_attention.available)
+
+
+def prefill_kernel_for(name: str, attention_backend: str, device, dtype, config) -> bool:
+    """Whether the sampler's prefills run agentrl's CPU kernel (`sampling.prefill_attention`): as
+    decode_kernel_for, where the kernel takes the model's dtype and head size on this CPU."""
+    from agentrl.sampling import cpu_attention
+    from agentrl.sampling.compat import kv_shape
+
+    head_dim = kv_shape(config)[2]
+    return _cpu_kernel_for("prefill_attention", "prefill", name, attention_backend, device,
+                           lambda: cpu_attention.prefill_unavailable(dtype, head_dim))

@@ -1,27 +1,39 @@
-"""The decode step's attention on a CPU: a small C kernel (decode_attention.c), built once per
-machine with the system's C compiler and called through ctypes (`sampling.decode_attention`).
+"""The sampler's attention on a CPU: a small C kernel (cpu_attention.c), built once per machine
+with the system's C compiler and called through ctypes, for a decode step
+(`sampling.decode_attention`) and for a prefill (`sampling.prefill_attention`).
 
-Why: a decode step attends G query heads of each KV head over a row's whole context, which on a
-CPU is memory traffic: K and V read once. SDPA's CPU kernel runs it as small GEMMs over blocks of
+Why, a decode step: it attends G query heads of each KV head over a row's whole context, which on
+a CPU is memory traffic: K and V read once. SDPA's CPU kernel runs it as small GEMMs over blocks of
 keys and is held by compute, not by memory (2-core workplace CPU, 48 rows × 2,048 keys × 30
 layers: ~16 GB/s in fp32 and ~8 in bf16, against ~29 GB/s of reads); at `make train`'s context
 lengths it was 44% of an eval's generate time. The kernel reads each unmasked key's K and V once,
 skips masked keys, and runs at the memory's speed: 2.4x SDPA's in fp32, 5x in bf16 at 48 rows x
 2,048 keys (benchmarks/bench_decode_attention.py; docs/measurements/sampler.md).
 
+Why, a prefill (a turn's observation, forced tokens, a first prompt: M new tokens a row): it is
+compute, and SDPA's CPU flash kernel runs it at ~100 GFLOP/s in bf16, slower than in fp32, where
+this CPU's bf16 matmuls run at ~300. The kernel packs K and V once per (row, KV head) for AVX-512
+(AVX512-BF16's pair products in bf16), skips blocks of 16 keys no query of a tile sees, and runs
+the same shapes 2.5-3.6x faster in bf16 (benchmarks/bench_prefill_attention.py).
+
 Building: `cc -O3 -march=native -ffast-math -fopenmp` (libmvec's vector expf), linked against the
-libgomp torch loaded (one OpenMP thread team: see decode_attention.c), into the cache root
-(`kernels/decode-attention-<hash>.so`, the hash over the source, the flags, the compiler's version
+libgomp torch loaded (one OpenMP thread team: see cpu_attention.c), into the cache root
+(`kernels/cpu-attention-<hash>.so`, the hash over the source, the flags, the compiler's version
 and the CPU's flags, so a home shared by two machines never loads the other's build), written
-atomically; ~0.5 s once. Where no compiler is found or the build fails, `load()` says why and the
+atomically; ~1 s once. Where no compiler is found or the build fails, `load()` says why and the
 sampler runs SDPA (`auto`), or refuses to start (`kernel`).
 
-The contract (tests/test_cpu_attention.py holds it against SDPA): `decode(q, k, v, mask, scale)`
-with q [b, Hkv, G, D] (a decode step's query heads folded per KV head), k/v [b, Hkv, L, D] (views
-of the slot store: any strides with a contiguous last dimension), mask [b, 1, 1, L] boolean,
-returns SDPA's attention [b, Hkv, G, D] in q's dtype (fp32 to ~1e-6; bf16 to its rounding), zeros
-for a row with no unmasked key (as SDPA's CPU kernels give), or None for what it does not take
-(another dtype or device, G > 16, D > 256), where the caller runs SDPA.
+The contracts (tests/test_cpu_attention.py holds them against SDPA), both returning SDPA's
+attention in q's dtype (fp32 to ~1e-6; bf16 to its rounding), zeros for a query with no unmasked
+key (as SDPA's CPU kernels give), or None for what the kernel does not take (another dtype or
+device, ...), where the caller runs SDPA:
+- `decode(q, k, v, mask, scale)`: q [b, Hkv, G, D] (a decode step's query heads folded per KV
+  head), k/v [b, Hkv, L, D] (views of the slot store: any strides with a contiguous last
+  dimension), mask [b, 1, 1, L] boolean; returns [b, Hkv, G, D]; None for G > 16, D > 256.
+- `prefill(q, k, v, mask, scale)`: q [b, Hkv * G, M, D] (the model's query heads, query head j
+  reading KV head j // G), k/v as above, mask [b, 1, M, L] boolean; returns [b, M, Hkv * G, D]
+  (the layout the model reads next); None for D other than 64 and 128, G > 16, a CPU without
+  AVX-512 (bf16: without AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -34,14 +46,24 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
 from agentrl.io import atomic_path, cache_root
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-MAX_G, MAX_D = 16, 256  # the C kernel's stack buffers (decode_attention.c)
+MAX_G, MAX_D = 16, 256  # the C kernel's stack buffers (cpu_attention.c)
+PREFILL_D = (64, 128)  # the prefill's head sizes (its accumulators in registers)
+
+
+class Kernels(NamedTuple):
+    """The built kernel's two C functions (cpu_attention.c)."""
+
+    decode: Callable[..., int]
+    prefill: Callable[..., int]
+    prefill_supported: Callable[[int], int]
 
 
 class KernelUnavailable(RuntimeError):
@@ -98,7 +120,7 @@ def _build(cc: str, link: list[str], target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise KernelUnavailable(f"cannot write the decode-attention kernel into {target.parent}: {e}") from None
+        raise KernelUnavailable(f"cannot write the CPU attention kernel into {target.parent}: {e}") from None
     try:
         # written atomically: a concurrent build of the same key writes the same file
         with atomic_path(target, directory=False) as tmp:
@@ -118,26 +140,28 @@ def _build(cc: str, link: list[str], target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The kernel's C function, built first if this machine has no build of it yet. Raises
-    KernelUnavailable (one line) where it cannot be had."""
+    """The kernel's C functions (`.decode`, `.prefill`), built first if this machine has no build
+    of them yet. Raises KernelUnavailable (one line) where they cannot be had."""
     if platform.system() != "Linux":
-        raise KernelUnavailable(f"the decode-attention kernel is built for Linux only, not {platform.system()}")
+        raise KernelUnavailable(f"the CPU attention kernel is built for Linux only, not {platform.system()}")
     cc = _compiler()
     if cc is None:
-        raise KernelUnavailable("no C compiler found (cc, gcc or $CC) to build the decode-attention kernel")
+        raise KernelUnavailable("no C compiler found (cc, gcc or $CC) to build the CPU attention kernel")
     link = _link_flags()
-    target = cache_root() / "kernels" / f"decode-attention-{_build_key(cc, link)}.so"
+    target = cache_root() / "kernels" / f"cpu-attention-{_build_key(cc, link)}.so"
     if not target.exists():
         _build(cc, link, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
-        raise KernelUnavailable(f"the decode-attention kernel {target} does not load: {e}") from None
-    fn = lib.agentrl_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int,
-                                                                              ctypes.c_int]
-    return fn
+        raise KernelUnavailable(f"the CPU attention kernel {target} does not load: {e}") from None
+    for fn in (lib.agentrl_decode_attention, lib.agentrl_prefill_attention):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_int,
+                                                                                  ctypes.c_int]
+    lib.agentrl_prefill_supported.restype = ctypes.c_int
+    lib.agentrl_prefill_supported.argtypes = [ctypes.c_int]
+    return Kernels(lib.agentrl_decode_attention, lib.agentrl_prefill_attention, lib.agentrl_prefill_supported)
 
 
 def available() -> str | None:
@@ -146,6 +170,22 @@ def available() -> str | None:
         load()
     except KernelUnavailable as e:
         return str(e)
+    return None
+
+
+def prefill_unavailable(dtype: torch.dtype, head_dim: int) -> str | None:
+    """None where the prefill kernel runs a model of this dtype and head size here; else why not,
+    in one line."""
+    why = available()
+    if why is not None:
+        return why
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the prefill kernel runs fp32 and bf16, not {str(dtype).removeprefix('torch.')}"
+    if head_dim not in PREFILL_D:
+        return f"the prefill kernel runs head sizes {' and '.join(map(str, PREFILL_D))}, not {head_dim}"
+    if not load().prefill_supported(int(dtype == torch.bfloat16)):
+        need = "AVX-512 with AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
+        return f"the prefill kernel needs a CPU with {need}"
     return None
 
 
@@ -165,6 +205,28 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     out = torch.empty((b, h, g, d), dtype=q.dtype)
     shape = (ctypes.c_int64 * 18)(b, h, g, d, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], m.stride(0),
                                   *out.stride()[:3])
-    rc = load()(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), float(scale),
+    rc = load().decode(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), float(scale),
                 int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """SDPA(q, k, v, mask) of a prefill's M query positions, in the layout [b, M, Hq, D] (the
+    module's contract), or None where the kernel does not take the call."""
+    b, hq, m, d = q.shape
+    h = k.shape[1]
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype
+            or v.dtype != q.dtype or d not in PREFILL_D or hq % h or hq // h > MAX_G or k.shape[0] != b
+            or k.shape[3] != d or v.shape != k.shape or mask is None or mask.dtype != torch.bool or mask.numel() != b * m * k.shape[2]):
+        return None
+    L = k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    msk = mask.reshape(b, m, L)
+    if msk.stride(-1) != 1:
+        msk = msk.contiguous()
+    out = torch.empty((b, m, hq, d), dtype=q.dtype)
+    shape = (ctypes.c_int64 * 20)(b, h, hq // h, m, d, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                  *msk.stride()[:2], *out.stride()[:3])
+    rc = load().prefill(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), msk.data_ptr(), out.data_ptr(), float(scale),
+                        int(q.dtype == torch.bfloat16), torch.get_num_threads())
     return out if rc == 0 else None

@@ -43,7 +43,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from agentrl.errors import UserError
 from agentrl.models import contiguous_head, copy_full_weights, load_model, quiet_peft
 from agentrl.procmem import reused_heap
-from agentrl.sampling.attention import check_backend, decode_kernel_for, prefill_sizer, sdpa_backend
+from agentrl.sampling.attention import check_backend, decode_kernel_for, prefill_kernel_for, prefill_sizer, sdpa_backend
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams, check_requests
 from agentrl.sampling.budget import kv_budget_bytes
 from agentrl.sampling.compat import servable_length
@@ -84,7 +84,8 @@ class HFSampler:
     def __init__(self, model, tokenizer, batch_size: int = 64, adapter: str | None = None,
                  kv_budget_gb: float | str | None = "auto", sync_every: int | None = None, merge_adapter: bool = True,
                  static_decode: str = "auto", attention_backend: str = "auto", share_prefixes: bool = True,
-                 prefill_buckets: str = "auto", jump_forward: bool = True, decode_attention: str = "auto"):
+                 prefill_buckets: str = "auto", jump_forward: bool = True, decode_attention: str = "auto",
+                 prefill_attention: str = "auto"):
         self.max_model_len: int | None = servable_length(model.config)  # refuses a model it cannot serve exactly
         self.model = model
         self.tokenizer = tokenizer
@@ -106,8 +107,10 @@ class HFSampler:
                                hold_still=on)
         self.attention_backend = check_backend(attention_backend, param.device, param.dtype, model.config)  # SDPA's kernel
         self._prefill_fits = prefill_sizer(self.attention_backend, param.device, param.dtype, model.config)
-        # a decode step's attention: agentrl's CPU kernel (cpu_attention.py) or SDPA
+        # a decode step's and a prefill's attention: agentrl's CPU kernel (cpu_attention.py) or SDPA
         self.decode_kernel = decode_kernel_for(decode_attention, self.attention_backend, param.device)
+        self.prefill_kernel = prefill_kernel_for(prefill_attention, self.attention_backend, param.device, param.dtype,
+                                                 model.config)
         # prefill forwards of bucketed shapes (`prefill_shape`): auto = on where CUDA is, on = also on a CPU (tests)
         self.prefill_buckets = prefill_buckets == "on" or (prefill_buckets == "auto" and param.device.type == "cuda")
         self.prefill_forwards = 0  # prefill forwards run
@@ -140,7 +143,8 @@ class HFSampler:
                    kv_budget_gb=cfg.sampling.kv_budget_gb, merge_adapter=cfg.sampling.merge_adapter,
                    static_decode=cfg.sampling.static_decode, attention_backend=cfg.sampling.attention_backend,
                    share_prefixes=cfg.sampling.share_prefixes, prefill_buckets=cfg.sampling.prefill_buckets,
-                   jump_forward=cfg.sampling.jump_forward, decode_attention=cfg.sampling.decode_attention)
+                   jump_forward=cfg.sampling.jump_forward, decode_attention=cfg.sampling.decode_attention,
+                   prefill_attention=cfg.sampling.prefill_attention)
 
     @property
     def device(self) -> torch.device:
@@ -294,7 +298,7 @@ class HFSampler:
         out: list[Completion] = []
         try:
             # reused_heap: each token step's transient tensors come from the heap, not a fresh mmap (procmem.py)
-            with use_slot_attention(self.model, self.decode_kernel), sdpa_backend(self.attention_backend), reused_heap():
+            with use_slot_attention(self.model, self.decode_kernel, self.prefill_kernel), sdpa_backend(self.attention_backend), reused_heap():
                 for start in range(0, len(prompts), self.batch_size):
                     end = start + self.batch_size
                     out.extend(self._generate_batch(prompts[start:end], params, seeds[start:end], names[start:end],

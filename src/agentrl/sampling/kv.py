@@ -61,17 +61,18 @@ class KVBudgetError(RunError):
 # ---------------------------------------------------------------- attention
 
 
-# whether a decode step's attention runs agentrl's CPU kernel (cpu_attention.py), set around the
-# sampler's calls by `use_slot_attention` (attention.decode_kernel_for decides)
+# whether a decode step's and a prefill's attention run agentrl's CPU kernel (cpu_attention.py), set
+# around the sampler's calls by `use_slot_attention` (attention.cpu_kernel_for decides)
 _decode_kernel: ContextVar[bool] = ContextVar("agentrl_decode_kernel", default=False)
+_prefill_kernel: ContextVar[bool] = ContextVar("agentrl_prefill_kernel", default=False)
 
 
 def slot_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention of `query` [b, Hq, M, D] over the slot rows `key`/`value` [b, Hkv, L, D] with the
     store's boolean mask [b, 1, M, L]. Query heads are grouped per KV head (a decode step: the g
     query heads of a KV head become g query rows of it; a prefill: SDPA's enable_gqa), so no
-    copy of K or V is made for each query head. A decode step runs agentrl's CPU kernel where the
-    sampler chose it, else SDPA."""
+    copy of K or V is made for each query head. A decode step and a prefill run agentrl's CPU
+    kernels where the sampler chose them, else SDPA."""
     b, hq, m, d = query.shape
     hkv = key.shape[1]
     if m == 1:
@@ -85,6 +86,10 @@ def slot_attention(module, query, key, value, attention_mask, dropout: float = 0
         if out is None:
             out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
         return out.reshape(b, 1, hq, d), None
+    if _prefill_kernel.get():
+        out = cpu_attention.prefill(query, key, value, attention_mask, scaling if scaling is not None else d ** -0.5)
+        if out is not None:
+            return out, None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                          enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous(), None
@@ -95,21 +100,23 @@ AttentionInterface.register(ATTENTION, slot_attention)
 
 class use_slot_attention:
     """Route the model's attention through `slot_attention` for the duration of a sampler call
-    (restored after, so a learner sharing the model keeps its own attention); `decode_kernel`:
-    decode steps run agentrl's CPU kernel in it."""
+    (restored after, so a learner sharing the model keeps its own attention); `decode_kernel`,
+    `prefill_kernel`: decode steps, prefills run agentrl's CPU kernel in it."""
 
-    def __init__(self, model, decode_kernel: bool = False):
+    def __init__(self, model, decode_kernel: bool = False, prefill_kernel: bool = False):
         self.config = text_config(model.config)
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
 
     def __enter__(self):
         self.previous = self.config._attn_implementation
         self.config._attn_implementation = ATTENTION
-        self.token = _decode_kernel.set(self.decode_kernel)
+        self.tokens = _decode_kernel.set(self.decode_kernel), _prefill_kernel.set(self.prefill_kernel)
 
     def __exit__(self, *exc):
         self.config._attn_implementation = self.previous
-        _decode_kernel.reset(self.token)
+        _decode_kernel.reset(self.tokens[0])
+        _prefill_kernel.reset(self.tokens[1])
 
 
 # ---------------------------------------------------------------- the storage
