@@ -337,24 +337,52 @@ static inline __mmask16 mask16(const uint8_t *row, int64_t start, int64_t L) {
 /* elements of one (row, head)'s packed K, and as many of its packed V */
 static inline int64_t packed_elems(const pshape_t *s, int64_t nblk) { return nblk * KB * s->D; }
 
+/* a 16 x 16 transpose of 32-bit units in registers: r[i] lane x <- r[x] lane i */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4i + j], 128-bit lane k: column 4k + j of rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* the 4 x 4 transpose of 128-bit lanes: column 4k + j = lane k of u[j], u[4 + j], u[8 + j], u[12 + j] */
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
 /* K of (b, h) into blocks [D/2][16] (bf16 pairs as 32-bit units) or [D][16] (fp32), V into
    [16 * nblk / 2][D][2] (bf16, key pairs interleaved) or [16 * nblk][D] (fp32); keys past L zero */
 static void pack(const pjob_t *j, int64_t b, int64_t h, void *kp, void *vp, int BF16) {
     const pshape_t *s = j->s;
     const int64_t D = s->D, L = s->L, nblk = j->nblk;
-    const int64_t U = BF16 ? D / 2 : D; /* 32-bit units of a row */
+    const int64_t U = BF16 ? D / 2 : D; /* 32-bit units of a row: a multiple of 16 (D is 64 or 128) */
     uint32_t *kd = (uint32_t *)kp;
     for (int64_t blk = 0; blk < nblk; blk++) {
-        uint32_t *dst = kd + blk * U * KB;
+        const uint32_t *src[KB];
         for (int64_t x = 0; x < KB; x++) {
-            const int64_t l = blk * KB + x;
-            const int64_t off = b * s->ksb + h * s->ksh + l * s->ksl;
-            const uint32_t *src = BF16 ? (const uint32_t *)((const uint16_t *)j->k + off)
-                                       : (const uint32_t *)((const float *)j->k + off);
-            if (l < L)
-                for (int64_t i = 0; i < U; i++) dst[i * KB + x] = src[i];
-            else
-                for (int64_t i = 0; i < U; i++) dst[i * KB + x] = 0;
+            const int64_t l = blk * KB + x, off = b * s->ksb + h * s->ksh + l * s->ksl;
+            src[x] = l >= L ? NULL
+                     : BF16 ? (const uint32_t *)((const uint16_t *)j->k + off)
+                            : (const uint32_t *)((const float *)j->k + off);
+        }
+        for (int64_t c = 0; c < U; c += 16) {
+            __m512i r[KB];
+            for (int x = 0; x < KB; x++) r[x] = src[x] ? _mm512_loadu_si512(src[x] + c) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(kd + (blk * U + c + i) * KB, r[i]);
         }
     }
     if (BF16) {
