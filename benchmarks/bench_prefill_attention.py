@@ -98,8 +98,8 @@ def eval_arm(spec: str, config: str, adapter: str | None, dtype: str | None, arm
 
 
 def bench_eval(spec: str, config: str, adapter: str | None, dtype: str | None, arms: list[str]) -> None:
-    """Each arm in a fresh process (a second eval in one process ran ~3 s slower whichever arm it
-    was, 16 games x 10 steps), one after the other."""
+    """Each arm in a fresh process (no state of one arm's eval, the heap's or the threads', is
+    left to the other), one after the other."""
     import json
     import subprocess
     import sys
