@@ -209,6 +209,10 @@ class LearnerConfig:
     # once, its keys and values (with grad) expanded over their suffixes (packing.fork; same gradient)
     share_prefixes: bool = True
     autocast: str = "auto"  # auto (bf16 on a CUDA device with bf16, else off) | bf16 | off: the forward's matmuls
+    # the learner's attention on a CPU, forward and backward: auto (agentrl's C kernel, sampling/cpu_attention.c,
+    # where the CPU has AVX-512 (bf16: AVX512-BF16) and the head size is 64 or 128; train/attention.py) |
+    # kernel (the kernel or a one-line refusal) | sdpa (SDPA's, as before 2026-12-05). GPUs run SDPA.
+    attention: str = "auto"
     # several optimizer steps per iteration (PPO-style): `epochs` passes over the iteration's
     # trajectories, each split into `minibatches` steps, with the clipped ratio against the policy
     # at the start of the update (1 on the first minibatch: epochs 1 x minibatches 1 = one GRPO step)
@@ -622,6 +626,8 @@ def _check_learner(c: Config) -> Checks:
                                                         and lc.tokens_per_microbatch >= 64),
          f"learner.tokens_per_microbatch must be auto, a number >= 64 or null, got {lc.tokens_per_microbatch!r}"),
         (lc.autocast in AUTOCAST, f"learner.autocast must be one of {', '.join(AUTOCAST)}, got {lc.autocast!r}"),
+        (lc.attention in DECODE_ATTENTION,
+         f"learner.attention must be one of {', '.join(DECODE_ATTENTION)}, got {lc.attention!r}"),
         (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
     ]
 

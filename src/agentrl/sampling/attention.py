@@ -181,33 +181,34 @@ def prefill_sizer(name: str, device, dtype, config):
                              per_token=token_bytes(config, size))
 
 
-def _cpu_kernel_for(setting: str, what: str, name: str, attention_backend: str, device, unavailable) -> bool:
-    """Whether `what` ("decode": decode steps, "prefill": prefills) runs agentrl's CPU kernel
-    (`sampling.<setting>`):
+def cpu_kernel_for(setting: str, what: str, name: str, attention_backend: str, device, unavailable) -> bool:
+    """Whether `what` ("decode": decode steps, "prefill": prefills, "learner": the learner's
+    attention) runs agentrl's CPU kernel (`setting`, e.g. sampling.decode_attention):
     auto = on a CPU where it runs (`unavailable()` is None) and no SDPA kernel is pinned (a pin asks
     for SDPA's kernel, so a timing under it is SDPA's); kernel = there or a one-line refusal;
     sdpa = never."""
     import torch
 
     if name not in DECODE_ATTENTION:
-        raise UserError(f"sampling.{setting} must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
+        raise UserError(f"{setting} must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
     device = torch.device(device)
     if name == "sdpa" or (name == "auto" and attention_backend != "auto"):
         return False
     if device.type != "cpu":
         if name == "kernel":
-            raise UserError(f"sampling.{setting}=kernel: agentrl's {what} kernel runs on a CPU, this sampler on "
+            raise UserError(f"{setting}=kernel: agentrl's {what} kernel runs on a CPU, this sampler on "
                             f"{device}; choose auto or sdpa")
         return False
     why = unavailable()
     if why is None:
         return True
     if name == "kernel":
-        raise UserError(f"sampling.{setting}=kernel: {why}; choose auto or sdpa")
+        raise UserError(f"{setting}=kernel: {why}; choose auto or sdpa")
     # a decode step says why as a warning (a compiler is the fix); a prefill's reasons beyond the
     # decode step's (a dtype, a head size, a CPU it does not take) are nothing to fix: said as info
     level = logging.WARNING if what == "decode" else logging.INFO
-    log.log(level, "%s run SDPA's attention: %s", {"decode": "decode steps"}.get(what, f"{what}s"), why)
+    log.log(level, "%s run SDPA's attention: %s",
+            {"decode": "decode steps", "learner": "the learner's forwards"}.get(what, f"{what}s"), why)
     return False
 
 
@@ -215,7 +216,7 @@ def decode_kernel_for(name: str, attention_backend: str, device) -> bool:
     """Whether the sampler's decode steps run agentrl's CPU kernel (`sampling.decode_attention`)."""
     from agentrl.sampling import cpu_attention
 
-    return _cpu_kernel_for("decode_attention", "decode", name, attention_backend, device, cpu_attention.available)
+    return cpu_kernel_for("sampling.decode_attention", "decode", name, attention_backend, device, cpu_attention.available)
 
 
 def prefill_kernel_for(name: str, attention_backend: str, device, dtype, config) -> bool:
@@ -225,5 +226,5 @@ def prefill_kernel_for(name: str, attention_backend: str, device, dtype, config)
     from agentrl.sampling.compat import kv_shape
 
     head_dim = kv_shape(config)[2]
-    return _cpu_kernel_for("prefill_attention", "prefill", name, attention_backend, device,
+    return cpu_kernel_for("sampling.prefill_attention", "prefill", name, attention_backend, device,
                            lambda: cpu_attention.prefill_unavailable(dtype, head_dim))

@@ -323,6 +323,7 @@ typedef struct {
     void *out;
     float scale;
     int64_t nblk;
+    float *lse; /* [B, H * G, M]: each query's log-sum-exp of its scaled scores (the learner's forward), or NULL */
 } pjob_t;
 
 /* the mask bits of the 16 keys from `start` (keys past L masked) */
@@ -363,54 +364,68 @@ static inline void transpose16(__m512i *r) {
     }
 }
 
-/* K of (b, h) into blocks [D/2][16] (bf16 pairs as 32-bit units) or [D][16] (fp32), V into
-   [16 * nblk / 2][D][2] (bf16, key pairs interleaved) or [16 * nblk][D] (fp32); keys past L zero */
-static void pack(const pjob_t *j, int64_t b, int64_t h, void *kp, void *vp, int BF16) {
-    const pshape_t *s = j->s;
-    const int64_t D = s->D, L = s->L, nblk = j->nblk;
+/* rows [L, D] of one (b, h) of a tensor (its base at `src`, row stride `sl`) packed as keys: blocks
+   [D/2][16] (bf16 pairs as 32-bit units) or [D][16] (fp32), rows past L zero */
+static void pack_keys(const void *src, int64_t sl, int64_t D, int64_t L, int64_t nblk, void *dst_, int BF16) {
     const int64_t U = BF16 ? D / 2 : D; /* 32-bit units of a row: a multiple of 16 (D is 64 or 128) */
-    uint32_t *kd = (uint32_t *)kp;
+    uint32_t *kd = (uint32_t *)dst_;
     for (int64_t blk = 0; blk < nblk; blk++) {
-        const uint32_t *src[KB];
+        const uint32_t *row[KB];
         for (int64_t x = 0; x < KB; x++) {
-            const int64_t l = blk * KB + x, off = b * s->ksb + h * s->ksh + l * s->ksl;
-            src[x] = l >= L ? NULL
-                     : BF16 ? (const uint32_t *)((const uint16_t *)j->k + off)
-                            : (const uint32_t *)((const float *)j->k + off);
+            const int64_t l = blk * KB + x;
+            row[x] = l >= L ? NULL
+                     : BF16 ? (const uint32_t *)((const uint16_t *)src + l * sl)
+                            : (const uint32_t *)((const float *)src + l * sl);
         }
         for (int64_t c = 0; c < U; c += 16) {
             __m512i r[KB];
-            for (int x = 0; x < KB; x++) r[x] = src[x] ? _mm512_loadu_si512(src[x] + c) : _mm512_setzero_si512();
+            for (int x = 0; x < KB; x++) r[x] = row[x] ? _mm512_loadu_si512(row[x] + c) : _mm512_setzero_si512();
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(kd + (blk * U + c + i) * KB, r[i]);
         }
     }
+}
+
+/* the same rows packed as values: [16 * nblk / 2][D][2] (bf16, pairs of rows interleaved) or
+   [16 * nblk][D] (fp32), rows past L zero */
+static void pack_values(const void *src, int64_t sl, int64_t D, int64_t L, int64_t nblk, void *dst_, int BF16) {
     if (BF16) {
-        /* a pair of keys' rows interleaved: lane d of each 32-bit unit = (v[l][d], v[l + 1][d]) */
+        /* lane d of each 32-bit unit = (v[l][d], v[l + 1][d]) */
         const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                             37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-        const uint16_t *v = (const uint16_t *)j->v + b * s->vsb + h * s->vsh;
-        uint16_t *vd = (uint16_t *)vp;
+        const uint16_t *v = (const uint16_t *)src;
+        uint16_t *vd = (uint16_t *)dst_;
         for (int64_t l = 0; l < nblk * KB; l += 2) {
             uint16_t *dst = vd + l * D;
             for (int64_t c = 0; c < D; c += 32) {
-                const __m512i a = l < L ? _mm512_loadu_si512(v + l * s->vsl + c) : _mm512_setzero_si512();
-                const __m512i n = l + 1 < L ? _mm512_loadu_si512(v + (l + 1) * s->vsl + c) : _mm512_setzero_si512();
+                const __m512i a = l < L ? _mm512_loadu_si512(v + l * sl + c) : _mm512_setzero_si512();
+                const __m512i n = l + 1 < L ? _mm512_loadu_si512(v + (l + 1) * sl + c) : _mm512_setzero_si512();
                 _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, n));
                 _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, n));
             }
         }
     } else {
-        const float *v = (const float *)j->v + b * s->vsb + h * s->vsh;
-        float *vd = (float *)vp;
+        const float *v = (const float *)src;
+        float *vd = (float *)dst_;
         for (int64_t l = 0; l < nblk * KB; l++) {
             if (l < L)
-                memcpy(vd + l * D, v + l * s->vsl, (size_t)D * sizeof(float));
+                memcpy(vd + l * D, v + l * sl, (size_t)D * sizeof(float));
             else
                 memset(vd + l * D, 0, (size_t)D * sizeof(float));
         }
     }
+}
+
+static inline const void *at(const void *base, int64_t off, int BF16) {
+    return BF16 ? (const void *)((const uint16_t *)base + off) : (const void *)((const float *)base + off);
+}
+
+/* K of (b, h) as keys, V as values */
+static void pack(const pjob_t *j, int64_t b, int64_t h, void *kp, void *vp, int BF16) {
+    const pshape_t *s = j->s;
+    pack_keys(at(j->k, b * s->ksb + h * s->ksh, BF16), s->ksl, s->D, s->L, j->nblk, kp, BF16);
+    pack_values(at(j->v, b * s->vsb + h * s->vsh, BF16), s->vsl, s->D, s->L, j->nblk, vp, BF16);
 }
 
 /* the scores of N rows (a constant) against one block of 16 keys: acc[x] lane t = q_x . k_t */
@@ -571,6 +586,8 @@ static inline __attribute__((always_inline)) int tile(const pjob_t *j, const voi
             memset(sr, 0, (size_t)W * sizeof(float));
         }
         total[r] = sum;
+        if (j->lse)
+            j->lse[(b * s->H * G + h * G + r % G) * s->M + m0 + r / G] = mx > 0.5f * NEG_SCORE ? mx + logf(sum) : NEG_SCORE;
         if (BF16) {
             for (int64_t x = W; x < Wp; x++) sr[x] = 0.0f;
             uint16_t *pr = scratch.probs + r * Wp;
@@ -638,10 +655,10 @@ int agentrl_prefill_supported(int bf16) {
 /* Returns 0 on success; 1 for what the kernel does not take (no AVX-512, bf16 without
    AVX512-BF16, a head size other than 64 or 128, G > 16), 2 when memory could not be had (the
    caller then runs SDPA). */
-int agentrl_prefill_attention(const int64_t *shape, const void *q, const void *k, const void *v,
-                              const uint8_t *mask, void *out, float scale, int bf16, int nthreads) {
+static int attention_forward(const int64_t *shape, const void *q, const void *k, const void *v, const uint8_t *mask,
+                             void *out, float *lse, float scale, int bf16, int nthreads) {
 #ifndef __AVX512F__
-    (void)shape, (void)q, (void)k, (void)v, (void)mask, (void)out, (void)scale, (void)bf16, (void)nthreads;
+    (void)shape, (void)q, (void)k, (void)v, (void)mask, (void)out, (void)lse, (void)scale, (void)bf16, (void)nthreads;
     return 1;
 #else
     const pshape_t *s = (const pshape_t *)shape;
@@ -650,7 +667,7 @@ int agentrl_prefill_attention(const int64_t *shape, const void *q, const void *k
 #endif
     if ((s->D != 64 && s->D != 128) || s->G < 1 || s->G > MAX_G || s->L < 1) return 1;
     if (s->B < 1 || s->M < 1) return 0;
-    const pjob_t job = {s, q, k, v, mask, out, scale, (s->L + KB - 1) / KB};
+    const pjob_t job = {s, q, k, v, mask, out, scale, (s->L + KB - 1) / KB, lse};
     const int64_t elem = bf16 ? 2 : 4, per = packed_elems(s, job.nblk), bh = s->B * s->H;
     /* (row, head) pairs packed at once: PACK_BYTES of K and V, at least one pair */
     int64_t chunk = PACK_BYTES / (2 * per * elem);
@@ -686,6 +703,307 @@ int agentrl_prefill_attention(const int64_t *shape, const void *q, const void *k
             }
         }
     }
+    return failed ? 2 : 0;
+#endif
+}
+
+int agentrl_prefill_attention(const int64_t *shape, const void *q, const void *k, const void *v,
+                              const uint8_t *mask, void *out, float scale, int bf16, int nthreads) {
+    return attention_forward(shape, q, k, v, mask, out, NULL, scale, bf16, nthreads);
+}
+
+/* The learner's forward: the prefill's attention of every query, and each query's log-sum-exp of its
+   scaled scores into lse [B, H * G, M] (-1e30 where it sees no key), which its backward reads. */
+int agentrl_attention_forward(const int64_t *shape, const void *q, const void *k, const void *v,
+                              const uint8_t *mask, void *out, float *lse, float scale, int bf16, int nthreads) {
+    return attention_forward(shape, q, k, v, mask, out, lse, scale, bf16, nthreads);
+}
+
+/* ------------------------------------------------------------------------------------------------
+   The learner's backward: dQ, dK, dV of the forward above, from its output O, the output's
+   gradient dO and each query's log-sum-exp. Per tile of 16 query positions x G heads (the
+   forward's), over the blocks of 16 keys the tile sees:
+   1. P = exp(S - lse), S recomputed as in the forward (masked keys 0);
+   2. dP = dO . V (V packed as keys, the rows of dO as queries), dS = P * (dP - rowsum(dO * O));
+   3. dQ = scale * dS . K (K packed as values; bf16: dS rounded to bf16 pairs, as the numerators are
+      in the forward);
+   4. dV += P^T dO and dK += dS^T Q, in fp32, into the task's own accumulators.
+   A (row, KV head)'s tiles are split between two tasks (every other tile: the causal triangle's
+   long and short tiles alike), each with its own dK, dV sums, added at the end: no two threads
+   write one sum, so a result does not depend on the thread count. */
+
+#ifdef __AVX512F__
+
+typedef struct {
+    const pshape_t *s;  /* q, k, v, mask as in the forward; out, dout and dq [B, M, H * G, D] at out's strides */
+    const void *q, *out, *dout;
+    const uint8_t *mask;
+    const float *lse;
+    void *dq;
+    const char *kpk, *vpk, *kpv; /* per (b, h): K as keys, V as keys, K as values */
+    int64_t per, elem, nblk;
+    float scale;
+} bjob_t;
+
+typedef struct {
+    float *p, *ds, *rows; /* [R][width] P and dS; [2][R][D] the tile's Q and dO rows in fp32 */
+    uint16_t *pb;         /* dS in bf16 */
+    int32_t *active;
+    size_t cap, blocks, rows_cap;
+} bscratch_t;
+
+static __thread bscratch_t bscratch;
+
+static int breserve(int64_t R, int64_t nblk, int64_t D) {
+    const size_t need = (size_t)R * (size_t)(nblk * KB + 32), rows = (size_t)(2 * R * D);
+    if (need <= bscratch.cap && (size_t)nblk <= bscratch.blocks && rows <= bscratch.rows_cap) return 1;
+    free(bscratch.p), free(bscratch.ds), free(bscratch.rows), free(bscratch.pb), free(bscratch.active);
+    bscratch.p = (float *)malloc(need * sizeof(float));
+    bscratch.ds = (float *)malloc(need * sizeof(float));
+    bscratch.pb = (uint16_t *)malloc(need * sizeof(uint16_t));
+    bscratch.rows = (float *)malloc(rows * sizeof(float));
+    bscratch.active = (int32_t *)malloc((size_t)nblk * sizeof(int32_t));
+    const int ok = bscratch.p && bscratch.ds && bscratch.pb && bscratch.rows && bscratch.active;
+    bscratch.cap = ok ? need : 0;
+    bscratch.blocks = ok ? (size_t)nblk : 0;
+    bscratch.rows_cap = ok ? rows : 0;
+    return ok;
+}
+
+static inline float elem_at(const void *base, int64_t off, int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)base)[off]) : ((const float *)base)[off];
+}
+
+/* dV[key0 + t] += sum_r P[r][a * 16 + t] dO_r, dK likewise with dS and Q, for the 16 keys of one
+   visible block; KS keys at a time, D = 16 C (constants) */
+static inline __attribute__((always_inline)) void block_grads(const float *p, const float *ds, int64_t Wp, int64_t R,
+                                                              const float *rq, const float *rdo, int64_t a,
+                                                              float *dk, float *dv, const int C, const int KS) {
+    const int64_t D = 16 * C;
+    for (int t0 = 0; t0 < KB; t0 += KS) {
+        __m512 av[2][8], ak[2][8];
+        for (int x = 0; x < KS; x++)
+            for (int c = 0; c < C; c++) av[x][c] = ak[x][c] = _mm512_setzero_ps();
+        for (int64_t r = 0; r < R; r++) {
+            const float *pr = p + r * Wp + a * KB + t0, *dr = ds + r * Wp + a * KB + t0;
+            __m512 wp[2], wd[2];
+            for (int x = 0; x < KS; x++) wp[x] = _mm512_set1_ps(pr[x]), wd[x] = _mm512_set1_ps(dr[x]);
+            for (int c = 0; c < C; c++) {
+                const __m512 o = _mm512_loadu_ps(rdo + r * D + 16 * c), qv = _mm512_loadu_ps(rq + r * D + 16 * c);
+                for (int x = 0; x < KS; x++) {
+                    av[x][c] = _mm512_fmadd_ps(wp[x], o, av[x][c]);
+                    ak[x][c] = _mm512_fmadd_ps(wd[x], qv, ak[x][c]);
+                }
+            }
+        }
+        for (int x = 0; x < KS; x++)
+            for (int c = 0; c < C; c++) {
+                float *v = dv + (t0 + x) * D + 16 * c, *k = dk + (t0 + x) * D + 16 * c;
+                _mm512_storeu_ps(v, _mm512_add_ps(_mm512_loadu_ps(v), av[x][c]));
+                _mm512_storeu_ps(k, _mm512_add_ps(_mm512_loadu_ps(k), ak[x][c]));
+            }
+    }
+}
+
+/* one tile's gradients (see above); dk, dv: the task's sums [nblk * 16][D]; 0 when the thread's
+   scratch could not be had */
+static inline __attribute__((always_inline)) int btile(const bjob_t *j, int64_t b, int64_t h, int64_t m0, float *dk,
+                                                       float *dv, const int BF16) {
+    const pshape_t *s = j->s;
+    const int64_t G = s->G, D = s->D, L = s->L, nblk = j->nblk, U = BF16 ? D / 2 : D;
+    const int64_t tm = s->M - m0 < TM ? s->M - m0 : TM, R = tm * G;
+    if (!breserve(R, nblk, D)) return 0;
+    const int64_t x0 = (b * s->H + h) * j->per * j->elem;
+    const char *kk = j->kpk + x0, *vk = j->vpk + x0, *kv = j->kpv + x0;
+    const uint8_t *mrow[TM];
+    for (int64_t i = 0; i < tm; i++) mrow[i] = j->mask + b * s->msb + (m0 + i) * s->msm;
+    int64_t nact = 0;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        __mmask16 any = 0;
+        for (int64_t i = 0; i < tm && !any; i++) any = mask16(mrow[i], blk * KB, L);
+        if (any) bscratch.active[nact++] = (int32_t)blk;
+    }
+    const uint32_t *q[MAX_ROWS], *dout[MAX_ROWS];
+    int64_t orow[MAX_ROWS]; /* each row's offset in out, dout and dq */
+    float lse[MAX_ROWS], delta[MAX_ROWS];
+    float *rq = bscratch.rows, *rdo = bscratch.rows + R * D;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t head = h * G + r % G, m = m0 + r / G;
+        q[r] = (const uint32_t *)at(j->q, b * s->qsb + head * s->qsh + m * s->qsm, BF16);
+        orow[r] = b * s->osb + m * s->osm + head * s->osh;
+        dout[r] = (const uint32_t *)at(j->dout, orow[r], BF16);
+        lse[r] = j->lse[(b * s->H * G + head) * s->M + m];
+        float dl = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            const float o = elem_at(j->out, orow[r] + d, BF16), g = elem_at(j->dout, orow[r] + d, BF16);
+            dl += o * g;
+            rdo[r * D + d] = g;
+            rq[r * D + d] = elem_at(j->q, b * s->qsb + head * s->qsh + m * s->qsm + d, BF16);
+        }
+        delta[r] = dl;
+    }
+    const int64_t W = nact * KB, Wp = (W + 31) / 32 * 32;
+    float *P = bscratch.p, *DS = bscratch.ds;
+    const __m512 neg = _mm512_set1_ps(NEG_SCORE), scale = _mm512_set1_ps(j->scale);
+    /* 1, 2: the scores (scaled, masked) into P, dP into DS */
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        const int64_t n = R - r0 < 8 ? R - r0 : 8;
+        for (int64_t a = 0; a < nact; a++) {
+            const int64_t blk = bscratch.active[a];
+            __m512 acc[8];
+            const uint32_t *kb = (const uint32_t *)kk + blk * U * KB, *vb = (const uint32_t *)vk + blk * U * KB;
+#define SCORES(N, ...) block_scores(kb, q + r0, U, acc, N, BF16)
+            ROWS_CASES(SCORES, 0)
+#undef SCORES
+            for (int64_t x = 0; x < n; x++) {
+                const __mmask16 seen = mask16(mrow[(r0 + x) / G], blk * KB, L);
+                _mm512_storeu_ps(P + (r0 + x) * Wp + a * KB, _mm512_mask_mul_ps(neg, seen, acc[x], scale));
+            }
+#define DPS(N, ...) block_scores(vb, dout + r0, U, acc, N, BF16)
+            ROWS_CASES(DPS, 0)
+#undef DPS
+            for (int64_t x = 0; x < n; x++) _mm512_storeu_ps(DS + (r0 + x) * Wp + a * KB, acc[x]);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *pr = P + r * Wp, *dr = DS + r * Wp;
+        const float l = lse[r], dl = delta[r];
+        if (l > 0.5f * NEG_SCORE) {
+            for (int64_t x = 0; x < W; x++) {
+                pr[x] = expf(pr[x] - l);
+                dr[x] = pr[x] * (dr[x] - dl);
+            }
+        } else { /* a query that sees no key: no gradient */
+            memset(pr, 0, (size_t)W * sizeof(float));
+            memset(dr, 0, (size_t)W * sizeof(float));
+        }
+        for (int64_t x = W; x < Wp; x++) pr[x] = dr[x] = 0.0f;
+        if (BF16) {
+            uint16_t *br = bscratch.pb + r * Wp;
+            for (int64_t x = 0; x < Wp; x += 32) {
+#ifdef HAVE_DPBF16
+                const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(dr + x + 16), _mm512_loadu_ps(dr + x));
+                _mm512_storeu_si512(br + x, (__m512i)pb);
+#endif
+            }
+        }
+    }
+    /* 3. dQ = scale * dS . K */
+    float acc[6][MAX_D];
+    const uint32_t *p[6];
+    const int C = (int)(D / 16);
+    const int64_t per = C == 4 ? 6 : 3;
+    for (int64_t r0 = 0; r0 < R; r0 += per) {
+        const int64_t n = R - r0 < per ? R - r0 : per;
+        for (int64_t x = 0; x < n; x++)
+            p[x] = BF16 ? (const uint32_t *)(bscratch.pb + (r0 + x) * Wp) : (const uint32_t *)(DS + (r0 + x) * Wp);
+        if (C == 4) {
+#define PV4(N, ...) rows_times_v(kv, bscratch.active, nact, p, acc, (N) < 6 ? (N) : 6, 4, BF16)
+            ROWS_CASES(PV4, 0)
+#undef PV4
+        } else {
+#define PV8(N, ...) rows_times_v(kv, bscratch.active, nact, p, acc, (N) < 3 ? (N) : 3, 8, BF16)
+            ROWS_CASES(PV8, 0)
+#undef PV8
+        }
+        for (int64_t x = 0; x < n; x++) {
+            const int64_t o = orow[r0 + x];
+            if (BF16) {
+                uint16_t *g = (uint16_t *)j->dq + o;
+                for (int64_t d = 0; d < D; d++) g[d] = f32_to_bf16(acc[x][d] * j->scale);
+            } else {
+                float *g = (float *)j->dq + o;
+                for (int64_t d = 0; d < D; d++) g[d] = acc[x][d] * j->scale;
+            }
+        }
+    }
+    /* 4. dV += P^T dO, dK += dS^T Q (scaled when the tasks' sums are added) */
+    for (int64_t a = 0; a < nact; a++) {
+        const int64_t key0 = (int64_t)bscratch.active[a] * KB;
+        if (C == 4)
+            block_grads(P, DS, Wp, R, rq, rdo, a, dk + key0 * D, dv + key0 * D, 4, 2);
+        else
+            block_grads(P, DS, Wp, R, rq, rdo, a, dk + key0 * D, dv + key0 * D, 8, 1);
+    }
+    return 1;
+}
+
+static int btile_any(const bjob_t *j, int64_t b, int64_t h, int64_t m0, float *dk, float *dv, int bf16) {
+    return bf16 ? btile(j, b, h, m0, dk, dv, 1) : btile(j, b, h, m0, dk, dv, 0);
+}
+
+#endif /* __AVX512F__ */
+
+/* dq [B, M, H * G, D] (out's strides), dk and dv [B, H, L, D] contiguous, in the inputs' dtype.
+   Returns 0 on success, 1 for what the kernel does not take (as the forward), 2 when memory could
+   not be had. */
+int agentrl_attention_backward(const int64_t *shape, const void *q, const void *k, const void *v, const uint8_t *mask,
+                               const void *out, const void *dout, const float *lse, void *dq, void *dk, void *dv,
+                               float scale, int bf16, int nthreads) {
+#ifndef __AVX512F__
+    (void)shape, (void)q, (void)k, (void)v, (void)mask, (void)out, (void)dout, (void)lse, (void)dq, (void)dk, (void)dv;
+    (void)scale, (void)bf16, (void)nthreads;
+    return 1;
+#else
+    const pshape_t *s = (const pshape_t *)shape;
+#ifndef HAVE_DPBF16
+    if (bf16) return 1;
+#endif
+    if ((s->D != 64 && s->D != 128) || s->G < 1 || s->G > MAX_G || s->L < 1) return 1;
+    if (s->B < 1 || s->M < 1) return 0;
+    const int64_t nblk = (s->L + KB - 1) / KB, elem = bf16 ? 2 : 4, per = packed_elems(s, nblk), bh = s->B * s->H;
+    const int64_t tiles = (s->M + TM - 1) / TM, parts = tiles > 1 ? 2 : 1, rows = nblk * KB * s->D;
+    char *packed = (char *)malloc((size_t)(3 * bh * per * elem));
+    float *sums = (float *)malloc((size_t)(bh * parts * 2 * rows) * sizeof(float));
+    if (!packed || !sums) {
+        free(packed), free(sums);
+        return 2;
+    }
+    const bjob_t job = {s, q, out, dout, mask, lse, dq, packed, packed + bh * per * elem, packed + 2 * bh * per * elem,
+                        per, elem, nblk, scale};
+    if (nthreads < 1) nthreads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t x = 0; x < bh; x++) {
+            const int64_t b = x / s->H, h = x % s->H;
+            const void *kx = at(k, b * s->ksb + h * s->ksh, bf16), *vx = at(v, b * s->vsb + h * s->vsh, bf16);
+            pack_keys(kx, s->ksl, s->D, s->L, nblk, (char *)job.kpk + x * per * elem, bf16);
+            pack_keys(vx, s->vsl, s->D, s->L, nblk, (char *)job.vpk + x * per * elem, bf16);
+            pack_values(kx, s->ksl, s->D, s->L, nblk, (char *)job.kpv + x * per * elem, bf16);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < bh * parts; t++) {
+            const int64_t x = t / parts, part = t % parts;
+            float *dks = sums + (x * parts + part) * 2 * rows, *dvs = dks + rows;
+            memset(dks, 0, (size_t)(2 * rows) * sizeof(float));
+            for (int64_t tile = part; tile < tiles; tile += parts)
+                if (!btile_any(&job, x / s->H, x % s->H, tile * TM, dks, dvs, bf16)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+        }
+#pragma omp for schedule(static)
+        for (int64_t x = 0; x < bh; x++) {
+            const float *d0 = sums + x * parts * 2 * rows;
+            const int64_t n = s->L * s->D;
+            for (int64_t i = 0; i < n; i++) {
+                float gk = d0[i], gv = d0[rows + i];
+                if (parts == 2) gk += d0[2 * rows + i], gv += d0[3 * rows + i];
+                gk *= scale;
+                if (bf16) {
+                    ((uint16_t *)dk)[x * n + i] = f32_to_bf16(gk);
+                    ((uint16_t *)dv)[x * n + i] = f32_to_bf16(gv);
+                } else {
+                    ((float *)dk)[x * n + i] = gk;
+                    ((float *)dv)[x * n + i] = gv;
+                }
+            }
+        }
+    }
+    free(packed);
+    free(sums);
     return failed ? 2 : 0;
 #endif
 }

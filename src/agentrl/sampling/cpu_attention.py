@@ -64,6 +64,8 @@ class Kernels(NamedTuple):
     decode: Callable[..., int]
     prefill: Callable[..., int]
     prefill_supported: Callable[[int], int]
+    forward: Callable[..., int]  # the learner's: the prefill's attention and each query's log-sum-exp
+    backward: Callable[..., int]
 
 
 class KernelUnavailable(RuntimeError):
@@ -161,7 +163,14 @@ def load():
                                                                                   ctypes.c_int]
     lib.agentrl_prefill_supported.restype = ctypes.c_int
     lib.agentrl_prefill_supported.argtypes = [ctypes.c_int]
-    return Kernels(lib.agentrl_decode_attention, lib.agentrl_prefill_attention, lib.agentrl_prefill_supported)
+    lib.agentrl_attention_forward.restype = ctypes.c_int
+    lib.agentrl_attention_forward.argtypes = [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 6 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.agentrl_attention_backward.restype = ctypes.c_int
+    lib.agentrl_attention_backward.argtypes = [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 10 + [
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return Kernels(lib.agentrl_decode_attention, lib.agentrl_prefill_attention, lib.agentrl_prefill_supported,
+                   lib.agentrl_attention_forward, lib.agentrl_attention_backward)
 
 
 def available() -> str | None:
@@ -210,23 +219,68 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out if rc == 0 else None
 
 
+def _takes(q, k, v, mask) -> bool:
+    """Whether the prefill kernel (and the learner's) takes these inputs (the module's contract)."""
+    b, hq, m, d = q.shape
+    h = k.shape[1]
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and d in PREFILL_D and hq % h == 0 and hq // h <= MAX_G and k.shape[0] == b
+            and k.shape[3] == d and v.shape == k.shape and mask is not None and mask.dtype == torch.bool
+            and mask.numel() == b * m * k.shape[2])
+
+
+def _shape(q, k, v, msk, out) -> ctypes.Array:
+    b, hq, m, d = q.shape
+    h, L = k.shape[1], k.shape[2]
+    return (ctypes.c_int64 * 20)(b, h, hq // h, m, d, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                 *msk.stride()[:2], *out.stride()[:3])
+
+
+def _inputs(q, k, v, mask):
+    b, _, m, _ = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    msk = mask.reshape(b, m, k.shape[2])
+    return q, k, v, msk if msk.stride(-1) == 1 else msk.contiguous()
+
+
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor | None:
     """SDPA(q, k, v, mask) of a prefill's M query positions, in the layout [b, M, Hq, D] (the
     module's contract), or None where the kernel does not take the call."""
-    b, hq, m, d = q.shape
-    h = k.shape[1]
-    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype
-            or v.dtype != q.dtype or d not in PREFILL_D or hq % h or hq // h > MAX_G or k.shape[0] != b
-            or k.shape[3] != d or v.shape != k.shape or mask is None or mask.dtype != torch.bool or mask.numel() != b * m * k.shape[2]):
+    if not _takes(q, k, v, mask):
         return None
-    L = k.shape[2]
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    msk = mask.reshape(b, m, L)
-    if msk.stride(-1) != 1:
-        msk = msk.contiguous()
+    q, k, v, msk = _inputs(q, k, v, mask)
+    b, hq, m, d = q.shape
     out = torch.empty((b, m, hq, d), dtype=q.dtype)
-    shape = (ctypes.c_int64 * 20)(b, h, hq // h, m, d, L, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                                  *msk.stride()[:2], *out.stride()[:3])
-    rc = load().prefill(shape, q.data_ptr(), k.data_ptr(), v.data_ptr(), msk.data_ptr(), out.data_ptr(), float(scale),
-                        int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    rc = load().prefill(_shape(q, k, v, msk, out), q.data_ptr(), k.data_ptr(), v.data_ptr(), msk.data_ptr(),
+                        out.data_ptr(), float(scale), int(q.dtype == torch.bfloat16), torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def forward(q, k, v, mask, scale: float):
+    """The learner's forward: (out [b, M, Hq, D], lse [b, Hq, M] fp32), each query's log-sum-exp of
+    its scaled scores (-1e30 where it sees no key), or None where the kernel does not take it."""
+    if not _takes(q, k, v, mask):
+        return None
+    q, k, v, msk = _inputs(q, k, v, mask)
+    b, hq, m, d = q.shape
+    out = torch.empty((b, m, hq, d), dtype=q.dtype)
+    lse = torch.empty((b, hq, m), dtype=torch.float32)
+    rc = load().forward(_shape(q, k, v, msk, out), q.data_ptr(), k.data_ptr(), v.data_ptr(), msk.data_ptr(),
+                        out.data_ptr(), lse.data_ptr(), float(scale), int(q.dtype == torch.bfloat16),
+                        torch.get_num_threads())
+    return (out, lse) if rc == 0 else None
+
+
+def backward(q, k, v, mask, out, lse, dout, scale: float):
+    """dq [b, Hq, M, D] (a view of [b, M, Hq, D]), dk, dv [b, Hkv, L, D] of `forward`'s attention
+    given dout, the gradient of its output [b, M, Hq, D]; None where the kernel does not take it."""
+    q, k, v, msk = _inputs(q, k, v, mask)
+    dout = dout.contiguous()
+    b, hq, m, d = q.shape
+    dq = torch.empty((b, m, hq, d), dtype=q.dtype)
+    dk = torch.empty(k.shape, dtype=q.dtype)
+    dv = torch.empty(k.shape, dtype=q.dtype)
+    rc = load().backward(_shape(q, k, v, msk, out), q.data_ptr(), k.data_ptr(), v.data_ptr(), msk.data_ptr(),
+                         out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                         float(scale), int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return (dq.transpose(1, 2), dk, dv) if rc == 0 else None

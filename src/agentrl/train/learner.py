@@ -31,7 +31,9 @@ from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
 from agentrl.train.memory import tokens_per_microbatch
-from agentrl.train.packing import Forked, Packed, autocast, fork, pack, sequence_logprobs, supports_packing, token_micro_batches
+from agentrl.train.attention import kernel_for, use_kernel
+from agentrl.train.packing import (Forked, Packed, autocast, autocast_dtype, fork, pack, sequence_logprobs, supports_packing,
+                                   token_micro_batches)
 from agentrl.weights import WeightsRef, refuse_full_init, weights_kind
 
 __all__ = ["LocalLearner", "StepResult", "UpdatePlan", "UpdateStats", "build_learner", "lora_config", "per_step_items"]
@@ -148,6 +150,12 @@ class LocalLearner:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
+        # the attention of its forwards: agentrl's CPU kernel (train/attention.py) or SDPA
+        param = next(self.model.parameters())
+        self.attention_kernel = kernel_for(cfg.attention, param.device, autocast_dtype(cfg.autocast, param.device)
+                                           or param.dtype, self.model.config)
+        if self.attention_kernel:
+            use_kernel(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0

@@ -34,7 +34,8 @@ from agentrl.sampling.prefixes import shared_prefixes
 from agentrl.train.loss import chunked_logprobs
 
 # the attention implementations whose masks transformers builds from packed position ids
-PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention",
+                     "agentrl_learner")  # train/attention.py's: SDPA's mask
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
