@@ -213,3 +213,17 @@ def test_the_setting_decides_once_and_refuses_in_one_line(head64_model, tiny_mod
     with pytest.raises(UserError, match="^learner.attention must be one of auto, kernel, sdpa, got 'x'$"):
         load_config(None, {"learner.attention": "x"})
     assert load_config(None, {}).learner.attention == "auto"
+
+
+@needs_kernel(torch.bfloat16)
+def test_under_autocast_the_kernel_runs_in_autocasts_dtype(head64_model, monkeypatch):
+    """An fp32 model under `learner.autocast: bf16`: RoPE hands attention fp32 queries and keys
+    beside bf16 values; the kernel takes all three in autocast's dtype, as SDPA would."""
+    dtypes = []
+    real = cpu_attention.forward
+    monkeypatch.setattr(cpu_attention, "forward", lambda *a: dtypes.append(a[0].dtype) or real(*a))
+    learner = LocalLearner(copy.deepcopy(head64_model), _cfg(autocast="bf16"))
+    ids = torch.randint(0, 1000, (1, 50))
+    with torch.no_grad(), learner.autocast():
+        learner.model(input_ids=ids)
+    assert dtypes and set(dtypes) == {torch.bfloat16}

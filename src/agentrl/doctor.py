@@ -67,7 +67,8 @@ def check_decode_kernel() -> Check:
     if why is None:
         dtypes = [name for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
                   if cpu_attention.prefill_unavailable(dtype, 64) is None]
-        prefill = f"prefills in {' and '.join(dtypes)}" if dtypes else "prefills: SDPA (no AVX-512 here)"
+        prefill = (f"prefills and the learner's in {' and '.join(dtypes)}" if dtypes
+                   else "prefills and the learner's: SDPA (no AVX-512 here)")
         return Check("CPU attention", "ok", f"agentrl's kernel (built with the C compiler): decode steps, {prefill}")
     return Check("CPU attention", "warn", f"SDPA: {why}", "a C compiler (gcc) for agentrl's kernel")
 

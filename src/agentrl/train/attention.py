@@ -71,6 +71,9 @@ def learner_attention(module, query, key, value, attention_mask, dropout: float 
     mask = attention_mask
     if mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         mask = causal_mask(query.shape[0], query.shape[2], key.shape[2])
+    if torch.is_autocast_enabled(query.device.type):  # SDPA runs in autocast's dtype (RoPE hands it fp32 q, k)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if (dropout == 0.0 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
             and query.device.type == "cpu"):
         mask = mask.expand(query.shape[0], 1, query.shape[2], key.shape[2])
