@@ -74,9 +74,10 @@ def learner_attention(module, query, key, value, attention_mask, dropout: float 
     if torch.is_autocast_enabled(query.device.type):  # SDPA runs in autocast's dtype (RoPE hands it fp32 q, k)
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    b, _, m, _ = query.shape
     if (dropout == 0.0 and mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-            and query.device.type == "cpu"):
-        mask = mask.expand(query.shape[0], 1, query.shape[2], key.shape[2])
+            and mask.shape[0] in (1, b) and tuple(mask.shape[2:]) == (m, key.shape[2]) and query.device.type == "cpu"):
+        mask = mask.expand(b, 1, m, key.shape[2])
         if cpu_attention._takes(query, key, value, mask):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             try:
