@@ -29,19 +29,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_decode_attention import best_ms  # the best of `repeats` runs of `calls` calls, ms a call
 
 SHAPES = "1x700,1x1500,2x1500,1x2048p"
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(3):
-            fn()
-        best = min(best, (time.perf_counter() - start) / 3)
-    return best * 1000
 
 
 def bench_op(shapes: list[str], dtypes: list[torch.dtype], repeats: int) -> None:
@@ -77,8 +67,8 @@ def bench_op(shapes: list[str], dtypes: list[torch.dtype], repeats: int) -> None
             times = []
             for fn in (sdpa, kernel):
                 with torch.no_grad():
-                    times.append(best_ms(fn, repeats))
-                times.append(best_ms(lambda: fn().backward(dout), repeats))
+                    times.append(best_ms(fn, 3, repeats))
+                times.append(best_ms(lambda: fn().backward(dout), 3, repeats))
             name = str(dtype).removeprefix("torch.")
             label = f"{b} x {L}" + (" (3 sequences)" if packed else "")
             print(f"| {name} | {label} | {times[0]:.1f} | {times[2]:.1f} | {times[0] / times[2]:.2f}x | {times[1]:.1f} | "

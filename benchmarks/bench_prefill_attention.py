@@ -27,20 +27,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_decode_attention import best_ms  # the best of `repeats` runs of `calls` calls, ms a call
 
 SHAPES = "5x240x512,7x96x768,6x32x1024,12x16x768,1x339x339,16x64x2048,3x2x700"
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    calls = 5
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1000
 
 
 def bench_op(shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype], repeats: int) -> None:
@@ -68,7 +57,7 @@ def bench_op(shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype], repe
             def kernel():
                 return cpu_attention.prefill(q, k, v, mask, d ** -0.5)
 
-            a, c = best_ms(sdpa, repeats), best_ms(kernel, repeats)
+            a, c = best_ms(sdpa, 5, repeats), best_ms(kernel, 5, repeats)
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                  enable_gqa=True).transpose(1, 2)
             da = (sdpa().float() - ref).abs().max().item()

@@ -77,6 +77,22 @@ def tiny_model(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def head64_model(tokenizer):
+    """A 2-layer random Llama of head size 64 (2 query heads on 1 KV head): what agentrl's CPU
+    attention kernel's prefill and learner paths take (the tiny Llama's head size 16 they leave to SDPA)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
 def games(data_root):
     """One real valid_seen game per task type."""
     from agentrl.config import TASK_TYPES

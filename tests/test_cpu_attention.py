@@ -292,19 +292,6 @@ def test_slot_attention_runs_the_prefill_kernel_only_inside_a_kernel_call(monkey
     assert len(calls) == 1  # the setting ends with the block
 
 
-@pytest.fixture(scope="module")
-def head64_model(tokenizer):
-    """A 2-layer random Llama with head size 64 (2 query heads on 1 KV head): the prefill kernel's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return LlamaForCausalLM(config).eval()
-
-
 @needs_prefill(torch.float32)
 def test_the_samplers_logprobs_with_both_kernels_are_a_teacher_forced_forwards(monkeypatch, head64_model, tokenizer):
     """fp32: each reply's log-probs, greedy and sampled, equal a teacher-forced forward of the same

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentrl.config import LearnerConfig, load_config
-from agentrl.env.data import Game
+from agentrl.config import load_config
 from agentrl.errors import UserError
-from agentrl.rollout.trajectory import Trajectory
 from agentrl.sampling import cpu_attention
 from agentrl.train import attention
 from agentrl.train.learner import LocalLearner
+from test_packing import learner_cfg as _cfg
+from test_packing import trajectory  # a multi-turn trajectory: prompt, reply, observation, reply
 
 
 def needs_kernel(dtype):
@@ -118,9 +118,9 @@ def test_one_thread_and_two_agree_exactly():
 
 @needs_kernel(torch.float32)
 def test_learner_attention_takes_what_the_kernel_takes_and_hands_the_rest_to_sdpa(monkeypatch):
-    calls = []
-    real = cpu_attention.forward
-    monkeypatch.setattr(cpu_attention, "forward", lambda *a: calls.append(a[0].shape) or real(*a))
+    calls = []  # a no-grad call: the kernel's forward without the log-sum-exp (its prefill)
+    real = cpu_attention.prefill
+    monkeypatch.setattr(cpu_attention, "prefill", lambda *a: calls.append(a[0].shape) or real(*a))
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2  # what SDPA's path reads of a layer
     q, k, v, mask, _ = _case(2, 2, 2, 64, 30, 30, torch.float32, "causal")
@@ -134,43 +134,13 @@ def test_learner_attention_takes_what_the_kernel_takes_and_hands_the_rest_to_sdp
     assert len(calls) == 1
 
 
-@pytest.fixture(scope="module")
-def head64_model(tokenizer):
-    """A 2-layer random Llama of head size 64 (2 query heads on 1 KV head): the kernel's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return LlamaForCausalLM(config).eval()
-
-
-GAME = Game("task/trial", "train", "pick_and_place_simple", None)
-
-
-def _trajectory(ids, index):
-    t = Trajectory(game=GAME, index=index)
-    a, b, c = len(ids) // 3, len(ids) // 2, 2 * len(ids) // 3
-    t.append(ids[:a], generated=False)
-    t.append(ids[a:b], generated=True, logprobs=[-1.0] * (b - a))
-    t.append(ids[b:c], generated=False)
-    t.append(ids[c:], generated=True, logprobs=[-2.0] * (len(ids) - c))
-    return t
-
-
 def _batch():
     """Ten trajectories; four of them a group's, beginning with the same 90-token prompt (a fork)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 1000, (90,), generator=g).tolist()
     seqs = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in [37, 5, 120, 64, 9, 88]]
     seqs += [prompt + torch.randint(0, 1000, (n,), generator=g).tolist() for n in [40, 25, 61, 33]]
-    return [(_trajectory(ids, i), adv) for i, (ids, adv) in enumerate(zip(seqs, [1.0, -0.5, 2.0, -1.0, 0.3] * 2))]
-
-
-def _cfg(**kw):
-    return LearnerConfig(lora_r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lr=1e-3, **kw)
+    return [(trajectory(ids, i), adv) for i, (ids, adv) in enumerate(zip(seqs, [1.0, -0.5, 2.0, -1.0, 0.3] * 2))]
 
 
 @needs_kernel(torch.float32)
@@ -219,9 +189,9 @@ def test_the_setting_decides_once_and_refuses_in_one_line(head64_model, tiny_mod
 def test_under_autocast_the_kernel_runs_in_autocasts_dtype(head64_model, monkeypatch):
     """An fp32 model under `learner.autocast: bf16`: RoPE hands attention fp32 queries and keys
     beside bf16 values; the kernel takes all three in autocast's dtype, as SDPA would."""
-    dtypes = []
-    real = cpu_attention.forward
-    monkeypatch.setattr(cpu_attention, "forward", lambda *a: dtypes.append(a[0].dtype) or real(*a))
+    dtypes = []  # a no-grad forward: the kernel's prefill
+    real = cpu_attention.prefill
+    monkeypatch.setattr(cpu_attention, "prefill", lambda *a: dtypes.append(a[0].dtype) or real(*a))
     learner = LocalLearner(copy.deepcopy(head64_model), _cfg(autocast="bf16"))
     ids = torch.randint(0, 1000, (1, 50))
     with torch.no_grad(), learner.autocast():

@@ -71,7 +71,7 @@ PROMPT_EXAMPLES = ("type", "none")  # prompt.example: the task type's in-context
 PROMPT_REPLIES = ("react", "action")  # prompt.reply: Thought + Action, or Action only
 ACTION_SPACES = ("free", "admissible")  # sampling.action_space: free text + fuzzy mapping | constrained decoding
 ATTENTION_BACKENDS = ("auto", "cudnn", "efficient", "math", "flash")  # sampling.attention_backend: SDPA's kernels
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")  # sampling.decode_attention / prefill_attention: attention on a CPU
+CPU_ATTENTION = ("auto", "kernel", "sdpa")  # sampling.decode_attention, prefill_attention, learner.attention
 
 
 @dataclass
@@ -493,10 +493,10 @@ def _check_sampling(c: Config) -> Checks:
          f"sampling.prefill_buckets must be auto, on or off, got {s.prefill_buckets!r}"),
         (s.attention_backend in ATTENTION_BACKENDS,
          f"sampling.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {s.attention_backend!r}"),
-        (s.decode_attention in DECODE_ATTENTION,
-         f"sampling.decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {s.decode_attention!r}"),
-        (s.prefill_attention in DECODE_ATTENTION,
-         f"sampling.prefill_attention must be one of {', '.join(DECODE_ATTENTION)}, got {s.prefill_attention!r}"),
+        (s.decode_attention in CPU_ATTENTION,
+         f"sampling.decode_attention must be one of {', '.join(CPU_ATTENTION)}, got {s.decode_attention!r}"),
+        (s.prefill_attention in CPU_ATTENTION,
+         f"sampling.prefill_attention must be one of {', '.join(CPU_ATTENTION)}, got {s.prefill_attention!r}"),
         (s.action_space in ACTION_SPACES, f"sampling.action_space must be free or admissible, got {s.action_space!r}"),
         (isinstance(s.loop_guard, int) and not isinstance(s.loop_guard, bool) and s.loop_guard >= 0,
          f"sampling.loop_guard must be a cycle length >= 0 (0: off), got {s.loop_guard!r}"),
@@ -626,8 +626,8 @@ def _check_learner(c: Config) -> Checks:
                                                         and lc.tokens_per_microbatch >= 64),
          f"learner.tokens_per_microbatch must be auto, a number >= 64 or null, got {lc.tokens_per_microbatch!r}"),
         (lc.autocast in AUTOCAST, f"learner.autocast must be one of {', '.join(AUTOCAST)}, got {lc.autocast!r}"),
-        (lc.attention in DECODE_ATTENTION,
-         f"learner.attention must be one of {', '.join(DECODE_ATTENTION)}, got {lc.attention!r}"),
+        (lc.attention in CPU_ATTENTION,
+         f"learner.attention must be one of {', '.join(CPU_ATTENTION)}, got {lc.attention!r}"),
         (lc.loss_agg in LOSS_AGGREGATIONS, f"learner.loss_agg must be one of {', '.join(LOSS_AGGREGATIONS)}, got {lc.loss_agg!r}"),
     ]
 

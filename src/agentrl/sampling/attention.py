@@ -26,7 +26,7 @@ import logging
 from contextlib import contextmanager
 
 from agentrl.config import ATTENTION_BACKENDS as BACKENDS
-from agentrl.config import DECODE_ATTENTION
+from agentrl.config import CPU_ATTENTION
 from agentrl.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ def cpu_kernel_for(setting: str, what: str, name: str, attention_backend: str, d
     sdpa = never."""
     import torch
 
-    if name not in DECODE_ATTENTION:
-        raise UserError(f"{setting} must be one of {', '.join(DECODE_ATTENTION)}, got {name!r}")
+    if name not in CPU_ATTENTION:
+        raise UserError(f"{setting} must be one of {', '.join(CPU_ATTENTION)}, got {name!r}")
     device = torch.device(device)
     if name == "sdpa" or (name == "auto" and attention_backend != "auto"):
         return False

@@ -525,6 +525,56 @@ static int reserve(int64_t rows, int64_t nblk) {
     default: F(1, __VA_ARGS__);       \
     }
 
+/* the blocks of 16 keys some of a tile's rows (`mrow`, tm of them) sees, into `active`; their count */
+static int64_t visible_blocks(const uint8_t *const *mrow, int64_t tm, int64_t nblk, int64_t L, int32_t *active) {
+    int64_t nact = 0;
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        __mmask16 any = 0;
+        for (int64_t i = 0; i < tm && !any; i++) any = mask16(mrow[i], blk * KB, L);
+        if (any) active[nact++] = (int32_t)blk;
+    }
+    return nact;
+}
+
+/* a row of weights (W written, the row Wp wide) as bf16 pairs for AVX512-BF16's products: zeros
+   past W, then 32 at a time */
+static inline void bf16_row(float *src, int64_t W, int64_t Wp, uint16_t *dst) {
+    for (int64_t x = W; x < Wp; x++) src[x] = 0.0f;
+#ifdef HAVE_DPBF16
+    for (int64_t x = 0; x < Wp; x += 32)
+        _mm512_storeu_si512(dst + x, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + x + 16), _mm512_loadu_ps(src + x)));
+#else
+    (void)dst;
+#endif
+}
+
+/* rows_times_v for n rows (6 at most for D 64, 3 for D 128: ROWS_PER), their count a constant */
+#define ROWS_PER(C) ((C) == 4 ? 6 : 3)
+static inline __attribute__((always_inline)) void rows_times_v_n(const void *vp, const int32_t *active, int64_t nact,
+                                                                 const uint32_t *const *p, float (*acc)[MAX_D],
+                                                                 int64_t n, const int C, const int BF16) {
+    if (C == 4) {
+#define PV4(N, ...) rows_times_v(vp, active, nact, p, acc, (N) < 6 ? (N) : 6, 4, BF16)
+        ROWS_CASES(PV4, 0)
+#undef PV4
+    } else {
+#define PV8(N, ...) rows_times_v(vp, active, nact, p, acc, (N) < 3 ? (N) : 3, 8, BF16)
+        ROWS_CASES(PV8, 0)
+#undef PV8
+    }
+}
+
+/* D sums times `factor` into a row of the output's dtype */
+static inline void write_row(void *base, int64_t off, const float *sums, int64_t D, float factor, int BF16) {
+    if (BF16) {
+        uint16_t *o = (uint16_t *)base + off;
+        for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(sums[d] * factor);
+    } else {
+        float *o = (float *)base + off;
+        for (int64_t d = 0; d < D; d++) o[d] = sums[d] * factor;
+    }
+}
+
 /* one tile: query positions m0 .. m0 + 15 of (b, h), each with its G query heads; 0 when the
    thread's scratch could not be had */
 static inline __attribute__((always_inline)) int tile(const pjob_t *j, const void *kp, const void *vp, int64_t b,
@@ -537,12 +587,7 @@ static inline __attribute__((always_inline)) int tile(const pjob_t *j, const voi
     const uint8_t *mrow[TM];
     for (int64_t i = 0; i < tm; i++) mrow[i] = j->mask + b * s->msb + (m0 + i) * s->msm;
     /* 1. the blocks some row of the tile sees */
-    int64_t nact = 0;
-    for (int64_t blk = 0; blk < nblk; blk++) {
-        __mmask16 any = 0;
-        for (int64_t i = 0; i < tm && !any; i++) any = mask16(mrow[i], blk * KB, L);
-        if (any) scratch.active[nact++] = (int32_t)blk;
-    }
+    const int64_t nact = visible_blocks(mrow, tm, nblk, L, scratch.active);
     const uint32_t *q[MAX_ROWS]; /* row r = (position r / G, query head h * G + r % G) */
     for (int64_t r = 0; r < R; r++) {
         const int64_t off = b * s->qsb + (h * G + r % G) * s->qsh + (m0 + r / G) * s->qsm;
@@ -588,46 +633,21 @@ static inline __attribute__((always_inline)) int tile(const pjob_t *j, const voi
         total[r] = sum;
         if (j->lse)
             j->lse[(b * s->H * G + h * G + r % G) * s->M + m0 + r / G] = mx > 0.5f * NEG_SCORE ? mx + logf(sum) : NEG_SCORE;
-        if (BF16) {
-            for (int64_t x = W; x < Wp; x++) sr[x] = 0.0f;
-            uint16_t *pr = scratch.probs + r * Wp;
-            for (int64_t x = 0; x < Wp; x += 32) {
-#ifdef HAVE_DPBF16
-                const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + x + 16), _mm512_loadu_ps(sr + x));
-                _mm512_storeu_si512(pr + x, (__m512i)pb);
-#endif
-            }
-        }
+        if (BF16) bf16_row(sr, W, Wp, scratch.probs + r * Wp);
     }
     /* 4. the weighted sums of V */
     float acc[6][MAX_D];
     const uint32_t *p[6];
     const int C = (int)(D / 16);
-    const int64_t per = C == 4 ? 6 : 3;
-    for (int64_t r0 = 0; r0 < R; r0 += per) {
-        const int64_t n = R - r0 < per ? R - r0 : per;
+    for (int64_t r0 = 0; r0 < R; r0 += ROWS_PER(C)) {
+        const int64_t n = R - r0 < ROWS_PER(C) ? R - r0 : ROWS_PER(C);
         for (int64_t x = 0; x < n; x++)
             p[x] = BF16 ? (const uint32_t *)(scratch.probs + (r0 + x) * Wp) : (const uint32_t *)(scratch.scores + (r0 + x) * Wp);
-        if (C == 4) {
-#define PV4(N, ...) rows_times_v(vp, scratch.active, nact, p, acc, (N) < 6 ? (N) : 6, 4, BF16)
-            ROWS_CASES(PV4, 0)
-#undef PV4
-        } else {
-#define PV8(N, ...) rows_times_v(vp, scratch.active, nact, p, acc, (N) < 3 ? (N) : 3, 8, BF16)
-            ROWS_CASES(PV8, 0)
-#undef PV8
-        }
+        rows_times_v_n(vp, scratch.active, nact, p, acc, n, C, BF16);
         for (int64_t x = 0; x < n; x++) {
             const int64_t r = r0 + x;
-            const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
-            const int64_t o = b * s->osb + (m0 + r / G) * s->osm + (h * G + r % G) * s->osh;
-            if (BF16) {
-                uint16_t *out = (uint16_t *)j->out + o;
-                for (int64_t d = 0; d < D; d++) out[d] = f32_to_bf16(acc[x][d] * inv);
-            } else {
-                float *out = (float *)j->out + o;
-                for (int64_t d = 0; d < D; d++) out[d] = acc[x][d] * inv;
-            }
+            write_row(j->out, b * s->osb + (m0 + r / G) * s->osm + (h * G + r % G) * s->osh, acc[x], D,
+                      total[r] > 0.0f ? 1.0f / total[r] : 0.0f, BF16);
         }
     }
     return 1;
@@ -817,12 +837,7 @@ static inline __attribute__((always_inline)) int btile(const bjob_t *j, int64_t 
     const char *kk = j->kpk + x0, *vk = j->vpk + x0, *kv = j->kpv + x0;
     const uint8_t *mrow[TM];
     for (int64_t i = 0; i < tm; i++) mrow[i] = j->mask + b * s->msb + (m0 + i) * s->msm;
-    int64_t nact = 0;
-    for (int64_t blk = 0; blk < nblk; blk++) {
-        __mmask16 any = 0;
-        for (int64_t i = 0; i < tm && !any; i++) any = mask16(mrow[i], blk * KB, L);
-        if (any) bscratch.active[nact++] = (int32_t)blk;
-    }
+    const int64_t nact = visible_blocks(mrow, tm, nblk, L, bscratch.active);
     const uint32_t *q[MAX_ROWS], *dout[MAX_ROWS];
     int64_t orow[MAX_ROWS]; /* each row's offset in out, dout and dq */
     float lse[MAX_ROWS], delta[MAX_ROWS];
@@ -878,44 +893,18 @@ static inline __attribute__((always_inline)) int btile(const bjob_t *j, int64_t 
             memset(dr, 0, (size_t)W * sizeof(float));
         }
         for (int64_t x = W; x < Wp; x++) pr[x] = dr[x] = 0.0f;
-        if (BF16) {
-            uint16_t *br = bscratch.pb + r * Wp;
-            for (int64_t x = 0; x < Wp; x += 32) {
-#ifdef HAVE_DPBF16
-                const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(dr + x + 16), _mm512_loadu_ps(dr + x));
-                _mm512_storeu_si512(br + x, (__m512i)pb);
-#endif
-            }
-        }
+        if (BF16) bf16_row(dr, W, Wp, bscratch.pb + r * Wp);
     }
     /* 3. dQ = scale * dS . K */
     float acc[6][MAX_D];
     const uint32_t *p[6];
     const int C = (int)(D / 16);
-    const int64_t per = C == 4 ? 6 : 3;
-    for (int64_t r0 = 0; r0 < R; r0 += per) {
-        const int64_t n = R - r0 < per ? R - r0 : per;
+    for (int64_t r0 = 0; r0 < R; r0 += ROWS_PER(C)) {
+        const int64_t n = R - r0 < ROWS_PER(C) ? R - r0 : ROWS_PER(C);
         for (int64_t x = 0; x < n; x++)
             p[x] = BF16 ? (const uint32_t *)(bscratch.pb + (r0 + x) * Wp) : (const uint32_t *)(DS + (r0 + x) * Wp);
-        if (C == 4) {
-#define PV4(N, ...) rows_times_v(kv, bscratch.active, nact, p, acc, (N) < 6 ? (N) : 6, 4, BF16)
-            ROWS_CASES(PV4, 0)
-#undef PV4
-        } else {
-#define PV8(N, ...) rows_times_v(kv, bscratch.active, nact, p, acc, (N) < 3 ? (N) : 3, 8, BF16)
-            ROWS_CASES(PV8, 0)
-#undef PV8
-        }
-        for (int64_t x = 0; x < n; x++) {
-            const int64_t o = orow[r0 + x];
-            if (BF16) {
-                uint16_t *g = (uint16_t *)j->dq + o;
-                for (int64_t d = 0; d < D; d++) g[d] = f32_to_bf16(acc[x][d] * j->scale);
-            } else {
-                float *g = (float *)j->dq + o;
-                for (int64_t d = 0; d < D; d++) g[d] = acc[x][d] * j->scale;
-            }
-        }
+        rows_times_v_n(kv, bscratch.active, nact, p, acc, n, C, BF16);
+        for (int64_t x = 0; x < n; x++) write_row(j->dq, orow[r0 + x], acc[x], D, j->scale, BF16);
     }
     /* 4. dV += P^T dO, dK += dS^T Q (scaled when the tasks' sums are added) */
     for (int64_t a = 0; a < nact; a++) {

@@ -21,6 +21,8 @@ made) and hands anything else, dropout included, to transformers' SDPA attention
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -60,8 +62,14 @@ class KernelAttention(torch.autograd.Function):
 
 
 def causal_mask(b: int, m: int, L: int) -> torch.Tensor:
-    """[b, 1, m, L]: query i (the last m positions of L) sees keys 0 .. L - m + i."""
-    return (torch.arange(L)[None, :] <= torch.arange(L - m, L)[:, None]).expand(b, 1, m, L)
+    """[b, 1, m, L]: query i (the last m positions of L) sees keys 0 .. L - m + i (made once per
+    shape: every layer of a forward asks for the same one)."""
+    return _causal(m, L).expand(b, 1, m, L)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal(m: int, L: int) -> torch.Tensor:
+    return torch.arange(L)[None, :] <= torch.arange(L - m, L)[:, None]
 
 
 def learner_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -83,9 +91,9 @@ def learner_attention(module, query, key, value, attention_mask, dropout: float 
             try:
                 if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
                     return KernelAttention.apply(query, key, value, mask, scale), None
-                res = cpu_attention.forward(query, key, value, mask, scale)
-                if res is not None:
-                    return res[0], None
+                out = cpu_attention.prefill(query, key, value, mask, scale)  # the forward's numbers, no log-sum-exp
+                if out is not None:
+                    return out, None
             except _KernelOut:
                 pass
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
