@@ -22,11 +22,17 @@
    state its load built (`_install_first_reset`, the default). Each arm prints a digest of every
    reset's observation and admissible list and of each env's first walkthrough step, and of a
    second reset after it; --check exits 1 unless the arms agree.
+5. A game's first load with nothing on disk (`--cold-loads`: a walkthrough replay's, or a rollout's
+   on a train game never played before): every arm from an empty cache root, so each game is
+   translated; textworld translates it twice (plainly, and pruned for its planner, which only
+   plans for `policy_commands`), agentrl's default leaves the planner's translation until a plan
+   is asked for (`planner_task_on_demand`, which agentrl never does). Same digest as 4.
 
 Usage: python benchmarks/bench_env.py [--group-size 8] [--games 3] [--workers N]
        python benchmarks/bench_env.py --steps-only --step-games 0 --check   # every held-out game
        python benchmarks/bench_env.py --steps-only --step-games 0 --walk 30 --check --arms derivation,cheap
        python benchmarks/bench_env.py --loads-only --repeats 2 --check   # every held-out game's first load
+       python benchmarks/bench_env.py --cold-loads 60 --repeats 2 --check   # 60 held-out games, nothing on disk
 """
 
 from __future__ import annotations
@@ -92,15 +98,18 @@ print(json.dumps({"games": len(games), "steps": steps, "step_s": step_s, "wall_s
 
 LOAD_ARM = """
 import hashlib, json, sys, time
-name = sys.argv[1]
+name, limit = sys.argv[1], int(sys.argv[2])
 import agentrl.env.alfworld as alfworld
 from agentrl.env.data import discover_games
+if name == "eager-planner":
+    alfworld.planner_task_on_demand = lambda translate: translate  # both translations at load, as textworld does
 if name == "whole":
     alfworld._logic_sources_match = lambda: False  # each grammar parsed whole, as textworld does
 if name in ("whole", "shared"):
     alfworld._install_first_reset = lambda: None  # every reset builds the state again, as textworld does
 games = [g for split in ("valid_seen", "valid_unseen") for g in discover_games(split, None)]
-alfworld.AlfworldEnv(games[0]).close()  # the engine imported and its caches installed before the clock
+games = games if limit == 0 else games[:: max(1, len(games) // limit)][:limit]  # spread over both splits
+alfworld.warm_up()  # the engine imported and its caches installed before the clock
 digest, t_s = hashlib.sha256(), {"load_s": 0.0, "reset_s": 0.0, "next_env_s": 0.0}
 for game in games:
     for which in ("first", "next"):  # the game's first env, then a group's next env of it
@@ -120,37 +129,48 @@ print(json.dumps({"games": len(games), **t_s, "digest": digest.hexdigest()}))
 LOAD_ARMS = {"whole": "each grammar parsed whole (textworld's parse)",
              "shared": "one shared parse + the game's task",
              "first-reset": "+ the first reset keeps the loaded state (default)"}
+COLD_ARMS = {"eager-planner": "the planner's translation at load (textworld's)",
+             "first-reset": "the planner's translation on demand (default)"}
 
 
-def load_arms(repeats: int, check: bool) -> None:
-    """Each arm `repeats` times in fresh subprocesses, alternated; the translations are put on disk
-    first by a warm-up arm, so both arms read them."""
+def load_arms(repeats: int, check: bool, cold_games: int | None = None) -> None:
+    """Each arm `repeats` times in fresh subprocesses, alternated. The translations are put on disk
+    first by a warm-up arm, so every arm reads them; with `cold_games` (0: all 274) every run starts
+    from its own empty cache root instead, so every game is translated."""
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if k != "AGENTRL_NO_GAME_CACHE"}
+    arms = COLD_ARMS if cold_games is not None else LOAD_ARMS
 
     def run(name: str) -> dict:
-        proc = subprocess.run([sys.executable, "-c", LOAD_ARM, name], capture_output=True, text=True, env=env)
+        with tempfile.TemporaryDirectory() as root:
+            cold = {"AGENTRL_CACHE": root} if cold_games is not None else {}
+            proc = subprocess.run([sys.executable, "-c", LOAD_ARM, name, str(cold_games or 0)], capture_output=True,
+                                  text=True, env=env | cold)
         if proc.returncode:
             sys.exit(f"load arm {name} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    run("first-reset")  # every translation on disk before any arm is timed
-    rows = {name: [] for name in LOAD_ARMS}
+    if cold_games is None:
+        run("first-reset")  # every translation on disk before any arm is timed
+    rows = {name: [] for name in arms}
     for _ in range(repeats):
-        for name in LOAD_ARMS:
+        for name in arms:
             rows[name].append(run(name))
     n = rows["first-reset"][0]["games"]
-    print(f"the first load of each of {n} held-out games (translations on disk), then a second env of the game; "
-          f"{repeats} run(s) an arm, alternated; ms a game:")
+    print(f"the first load of each of {n} held-out games "
+          f"({'nothing on disk: every game translated' if cold_games is not None else 'translations on disk'}), "
+          f"then a second env of the game; {repeats} run(s) an arm, alternated; ms a game:")
     first, second = {}, {}
     for name, runs in rows.items():
         cols = {k: [1000 * r[k] / n for r in runs] for k in ("load_s", "reset_s", "next_env_s")}
         first[name] = min(a + b for a, b in zip(cols["load_s"], cols["reset_s"]))
         second[name] = min(cols["next_env_s"])
         show = {k: " / ".join(f"{x:.1f}" for x in v) for k, v in cols.items()}
-        print(f"  {LOAD_ARMS[name]:<52} load {show['load_s']}, first reset {show['reset_s']}, the next env's "
+        print(f"  {arms[name]:<52} load {show['load_s']}, first reset {show['reset_s']}, the next env's "
               f"load + reset {show['next_env_s']}  digest {runs[0]['digest'][:16]}")
-    for name in ("whole", "shared"):
-        print(f"  the default against {LOAD_ARMS[name]}: a first load + reset {first[name] / first['first-reset']:.2f}x "
+    for name in (n for n in arms if n != "first-reset"):
+        print(f"  the default against {arms[name]}: a first load + reset {first[name] / first['first-reset']:.2f}x "
               f"faster, the next env {second[name] / second['first-reset']:.2f}x (best runs)")
     same = len({r["digest"] for runs in rows.values() for r in runs}) == 1
     print(f"  what a player saw: {'identical in every run' if same else 'DIFFERENT between arms'}")
@@ -229,6 +249,8 @@ def main() -> None:
     ap.add_argument("--steps-only", action="store_true", help="only the env-step arms")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the env-step (or load) arms saw the same")
     ap.add_argument("--loads-only", action="store_true", help="only the first load of each held-out game, two arms")
+    ap.add_argument("--cold-loads", type=int, default=None, metavar="N",
+                    help="only the first load of N held-out games with nothing on disk (0: all 274), two arms")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each load arm (alternated)")
     ap.add_argument("--arms", default=",".join(STEP_ARMS),
                     help=f"env-step arms, comma-separated, the default's last ({','.join(STEP_ARMS)})")
@@ -236,8 +258,8 @@ def main() -> None:
     arms = [x for x in a.arms.split(",") if x]
     if not arms or arms[-1] != "cheap" or any(x not in STEP_ARMS for x in arms):
         ap.error(f"--arms: some of {', '.join(STEP_ARMS)}, comma-separated, ending with cheap")
-    if a.loads_only:
-        load_arms(a.repeats, a.check)
+    if a.loads_only or a.cold_loads is not None:
+        load_arms(a.repeats, a.check, a.cold_loads)
         return
     if a.steps_only:
         step_arms(a.step_games, a.walk, a.check, arms)

@@ -345,6 +345,60 @@ def test_the_translation_is_kept_on_disk_and_read_back_equal(games, tmp_path):
     assert _kept_on_disk(translate, tmp_path / "blocked")(data["pddl_domain"], data["pddl_problem"])[1] == sas
 
 
+PLANNED = """
+import json, sys
+path, plans = sys.argv[1], sys.argv[2] == "plans"  # read first: the engine's imports rewrite sys.argv
+import fast_downward, textworld
+from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+from agentrl.env import alfworld
+translate, calls = fast_downward.pddl2sas, []
+
+def counted(*args, **kwargs):  # what reaches fast_downward's translator
+    calls.append(bool(kwargs.get("optimize")))
+    return translate(*args, **kwargs)
+
+fast_downward.pddl2sas = counted
+alfworld.install_game_caches()
+alfworld._install_lib_pool()
+infos = textworld.EnvInfos(won=True, admissible_commands=True, policy_commands=plans)
+env = textworld.start(path, request_infos=infos, wrappers=[AlfredDemangler(), AlfredInfos])
+state = env.reset()
+seen = [[state["admissible_commands"], state.get("policy_commands")]]
+for command in json.load(open(path))["walkthrough"][:2] + ["look"]:
+    state, _, _ = env.step(command)
+    seen.append([command, state["admissible_commands"], state.get("policy_commands"), state["won"]])
+print(json.dumps({"calls": calls, "seen": seen}))
+"""
+
+
+def test_the_planners_task_is_translated_only_when_it_plans(games, tmp_path):
+    """textworld translates a game twice, plainly and pruned for its planner; agentrl's envs leave
+    the planner's translation until a plan is asked for (`planner_task_on_demand`), which agentrl
+    never does. From an empty cache root: a game played without plans is translated once; asked for
+    `policy_commands` at every step, it gives the same plans and the same game as textworld's own
+    eager load (AGENTRL_NO_GAME_CACHE=1), before and after steps."""
+    import os
+    import subprocess
+    import sys
+
+    path = str(games["look_at_obj_in_light"].path)
+
+    def played(plans: bool, **env) -> dict:  # each from an empty cache root
+        root = tmp_path / f"cache{len(list(tmp_path.iterdir()))}"
+        proc = subprocess.run([sys.executable, "-c", PLANNED, path, "plans" if plans else "none"], capture_output=True,
+                              text=True, timeout=300, env=os.environ | {"AGENTRL_CACHE": str(root)} | env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    textworlds = played(True, AGENTRL_NO_GAME_CACHE="1")
+    assert textworlds["calls"] == [False, True, False, True]  # textworld: both translations at load and at reset
+    without_plans, with_plans = played(False, AGENTRL_NO_GAME_CACHE=""), played(True, AGENTRL_NO_GAME_CACHE="")
+    assert without_plans["calls"] == [False]  # one translation: the first reset keeps the load's state
+    assert with_plans["calls"] == [False, True]  # the planner's, at its first plan
+    assert with_plans["seen"] == textworlds["seen"] and textworlds["seen"][0][1]  # the same plans, the same game
+    assert [s[:2] + s[3:] for s in without_plans["seen"][1:]] == [s[:2] + s[3:] for s in textworlds["seen"][1:]]
+
+
 def test_an_eval_run_in_slices_equals_one_run(games):
     """Evaluations larger than the sampler's KV budget run in slices of games, one after another:
     the episodes (which do not interact) and the summed statistics are those of one run."""
@@ -416,7 +470,7 @@ print("\\n".join(str(p) for p in kept_translations(games)))
 def test_kept_translations_names_the_files_a_load_reads(games, tmp_path):
     """The translations a lent machine is handed (`kept_translations`, packed by
     benchmarks/lent_gpu/prepare.sh) are the files an env's load reads: on an empty cache root a
-    game is translated once and its two files named; asked again, nothing is translated."""
+    game is translated once and its one file named; asked again, nothing is translated."""
     import os
     import subprocess
     import sys
@@ -432,6 +486,6 @@ def test_kept_translations_names_the_files_a_load_reads(games, tmp_path):
 
     first = kept()
     on_disk = sorted(str(p) for p in (tmp_path / "pddl2sas").rglob("*.pkl.z"))
-    assert len(first) == 4 and sorted(first) == on_disk  # two translations a game (plain, optimised)
+    assert len(first) == 2 and sorted(first) == on_disk  # the plain translation only (`planner_task_on_demand`)
     stamps = {p: os.stat(p).st_mtime_ns for p in first}
     assert kept() == first and {p: os.stat(p).st_mtime_ns for p in first} == stamps  # read, not rewritten

@@ -46,7 +46,7 @@ for path in paths:
     out = dest / path.relative_to(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(zlib.compress(zlib.decompress(path.read_bytes()), 0))
-print(f"{len(paths)} translations of {len(paths) // 2} held-out games")
+print(f"{len(paths)} translations of held-out games (one a game: the planner's is made on demand)")
 PY
 tar -C $D/tr -cf - pddl2sas | xz -9 -T2 > $D/p3/pddl2sas.tar.xz && rm -rf $D/tr
 if [ $# -ge 1 ]; then mkdir -p $D/p3/adapter && cp "$1"/adapter_config.json "$1"/adapter_model.safetensors "$1"/agentrl.json $D/p3/adapter/; fi

@@ -52,7 +52,9 @@ def _install_game_caches() -> None:
     every reset; most of the rest is parsing the game's grammar into a GameLogic. Both are pure
     functions of the game file, so we memoise them per process (the grammar once for every game:
     `logic_sharing_the_grammar`), and the translation also on disk
-    (`_kept_on_disk`): a game loaded before, by any process, loads in a sixth of the time. Each env keeps its own copy of
+    (`_kept_on_disk`): a game loaded before, by any process, loads in a sixth of the time. The
+    planner's optimised translation, which agentrl never plans with, is made only where a plan
+    is asked for (`planner_task_on_demand`): a game's first load takes half the time. Each env keeps its own copy of
     fast_downward's library (textworld loads one per env), where the mutable game state lives,
     so envs of the same game stay independent (tested). Envs cannot simply be copied instead:
     they hold ctypes handles.
@@ -62,7 +64,9 @@ def _install_game_caches() -> None:
     from textworld.envs.pddl import pddl
 
     translate = _kept_on_disk(fast_downward.pddl2sas, cache_root() / TRANSLATION_DIRNAME)
-    fast_downward.pddl2sas = functools.lru_cache(maxsize=256)(translate)  # read-only (task, sas) results
+    translate = functools.lru_cache(maxsize=256)(translate)  # read-only (task, sas) results
+    fast_downward.pddl2sas = planner_task_on_demand(translate)
+    pddl_logic.PddlState.replan = translating_the_planner_task_first(pddl_logic.PddlState.replan, translate)
 
     game_logic = pddl_logic.GameLogic
     shared_logic = functools.lru_cache(maxsize=8)(lambda domain, grammar: game_logic(domain=domain, grammar=grammar))
@@ -142,7 +146,53 @@ def logic_sharing_the_grammar(game_logic, shared_logic, domain: str, grammar: st
     return logic
 
 
-TRANSLATION_DIRNAME = "pddl2sas"  # under the cache root: ~43 kB a game (two translations, zlib'd)
+TRANSLATION_DIRNAME = "pddl2sas"  # under the cache root: ~52 kB a game (the plain translation, zlib'd)
+
+
+class PlannerTask(str):
+    """The planner's task as a PddlState holds it until its planner is asked for a plan: an empty
+    string (what `load_sas_replan` stores, where nothing reads it) that knows the problem it stands
+    for, translated by `translating_the_planner_task_first` at the state's first `replan`."""
+
+    def __new__(cls, domain: str, problem: str, verbose: bool = False):
+        task = super().__new__(cls, "")
+        task.domain, task.problem, task.verbose = domain, problem, verbose
+        return task
+
+
+def planner_task_on_demand(translate):
+    """fast_downward's translation as a PddlState asks for it, its planner's copy left for later.
+
+    textworld translates every game twice at each PddlState: plainly for the game itself, and
+    `optimize=True` (unreachable facts and unimportant variables pruned, a partial encoding) for
+    its planner (`load_sas_replan`, which only keeps the string for `replan`). The planner is asked
+    for a plan only for `policy_commands`, or for a walkthrough a game lacks; agentrl asks for
+    neither (AlfworldEnv's EnvInfos), yet that second translation was half of a game's first load.
+    So the optimised translation is made when the state's planner is first asked for a plan, the
+    same task it would have had (tested: the same plans as textworld's, after steps too)."""
+    @functools.wraps(translate)
+    def translated(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+        if optimize:
+            return None, PlannerTask(domain, problem, verbose)  # PddlState keeps only the second
+        return translate(domain, problem, verbose=verbose)
+
+    return translated
+
+
+def translating_the_planner_task_first(replan, translate):
+    """PddlState.replan, giving the planner its task first where `planner_task_on_demand` left it
+    for now: translated (kept on disk like the plain one), stored on the state, and loaded into the
+    state's library, whose planner reads it at this call (the library only keeps the string until
+    then), so the plan is the one textworld's eager load gives."""
+    @functools.wraps(replan)
+    def replanned(self, *args, **kwargs):
+        task = getattr(self, "sas_replan", None)
+        if isinstance(task, PlannerTask):
+            _, self.sas_replan = translate(task.domain, task.problem, verbose=task.verbose, optimize=True)
+            self.downward_lib.load_sas_replan(self.sas_replan.encode("utf-8"))
+        return replan(self, *args, **kwargs)
+
+    return replanned
 
 
 def _kept_on_disk(translate, root: Path):
@@ -193,7 +243,7 @@ def kept_translations(games: list[Game]) -> list[Path]:
     out = []
     for game in games:
         data = json.loads(game.path.read_text())
-        paths = [_translation_path(root, data["pddl_domain"], data["pddl_problem"], opt) for opt in (False, True)]
+        paths = [_translation_path(root, data["pddl_domain"], data["pddl_problem"], False)]  # the plain one only
         if not all(p.exists() for p in paths):
             AlfworldEnv(game).close()
         missing = [p for p in paths if not p.exists()]
