@@ -61,35 +61,31 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
-    """A 2-layer random Llama with the default model's vocabulary and chat template."""
+def random_llama(tokenizer, hidden: int, heads: int, kv_heads: int):
+    """A 2-layer random Llama (seed 0) with the default model's vocabulary and special tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """A 2-layer random Llama with the default model's vocabulary and chat template."""
+    return random_llama(tokenizer, hidden=64, heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="session")
 def head64_model(tokenizer):
     """A 2-layer random Llama of head size 64 (2 query heads on 1 KV head): what agentrl's CPU
     attention kernel's prefill and learner paths take (the tiny Llama's head size 16 they leave to SDPA)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
+    return random_llama(tokenizer, hidden=128, heads=2, kv_heads=1)
 
 
 @pytest.fixture(scope="session")

@@ -243,13 +243,12 @@ def kept_translations(games: list[Game]) -> list[Path]:
     out = []
     for game in games:
         data = json.loads(game.path.read_text())
-        paths = [_translation_path(root, data["pddl_domain"], data["pddl_problem"], False)]  # the plain one only
-        if not all(p.exists() for p in paths):
+        path = _translation_path(root, data["pddl_domain"], data["pddl_problem"], False)  # the plain one only
+        if not path.exists():
             AlfworldEnv(game).close()
-        missing = [p for p in paths if not p.exists()]
-        if missing:
-            raise RuntimeError(f"{game.path}: its translation was not kept at {missing[0]} (a read-only cache root?)")
-        out += paths
+        if not path.exists():
+            raise RuntimeError(f"{game.path}: its translation was not kept at {path} (a read-only cache root?)")
+        out.append(path)
     return out
 
 
