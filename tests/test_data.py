@@ -50,6 +50,17 @@ def test_missing_data_dir_says_where_it_looked(tmp_path):
         discover_games("valid_seen", tmp_path / "nowhere")
 
 
+def test_missing_data_dir_names_the_script_that_unpacks_it(tmp_path):
+    """A root with its unpacking script beside it (as ../shared/data/alfworld-full.sh beside
+    alfworld-full): the one line names the script; without one it does not."""
+    (tmp_path / "alfworld-full.sh").write_text("#!/bin/sh\n")
+    with pytest.raises(UserError, match=r"no ALFWorld data at .*alfworld-full \(.*`bash .*alfworld-full\.sh` unpacks it"):
+        discover_games("valid_seen", tmp_path / "alfworld-full")
+    with pytest.raises(UserError) as e:
+        discover_games("valid_seen", tmp_path / "alfworld")
+    assert ".sh" not in str(e.value)
+
+
 def test_missing_split_is_clear(tmp_path):
     (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
     with pytest.raises(UserError, match=r"split 'valid_seen' not found"):

@@ -47,11 +47,19 @@ def split_dir(root: Path, split: str) -> Path:
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if not root.is_dir():
-        raise UserError(f"no ALFWorld data at {root} (looked at --data, then $ALFWORLD_DATA, then ~/.cache/alfworld); {HOW_TO_GET}")
+        raise UserError(f"no ALFWorld data at {root} (looked at --data, then $ALFWORLD_DATA, then ~/.cache/alfworld); "
+                        f"{_unpack_hint(root)}{HOW_TO_GET}")
     d = root / "json_2.1.1" / split
     if not d.is_dir():
         raise UserError(f"ALFWorld split {split!r} not found: {d} does not exist; {HOW_TO_GET}")
     return d
+
+
+def _unpack_hint(root: Path) -> str:
+    """A root that is unpacked by a script beside it (../shared/data/alfworld-full.sh makes
+    alfworld-full, once per machine): name the script, the likeliest cure."""
+    script = root.with_name(root.name + ".sh")
+    return f"`bash {script}` unpacks it and prints where (point ALFWORLD_DATA there), or " if script.is_file() else ""
 
 
 def task_type_of(task_dir_name: str) -> str:
