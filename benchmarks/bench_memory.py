@@ -24,16 +24,18 @@ import subprocess
 import sys
 import time
 
-MODES = ("dynamic", "fixed", "fixed+thp", "dynamic+thp", "fixed-1m", "fixed-4m", "fixed-16m")
-# malloc threshold (fixed: procmem's; fixed-4m: fixed at 4 MiB), +thp: torch's THP_MEM_ALLOC_ENABLE=1
+MODES = ("dynamic", "fixed", "reused", "fixed+thp", "dynamic+thp", "fixed-1m", "fixed-4m", "fixed-16m")
+# malloc threshold (fixed: procmem's; fixed-4m: fixed at 4 MiB; reused: procmem's, the passes inside
+# procmem.reused_heap()), +thp: torch's THP_MEM_ALLOC_ENABLE=1
 THRESHOLDS = {"fixed-1m": 1 << 20, "fixed-4m": 4 << 20, "fixed-16m": 16 << 20}
 
 CHILD = r"""
-import json, resource, sys, time, torch
+import contextlib, json, resource, sys, time, torch
 mode, gc, rows, tokens = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
-if mode.startswith("fixed"):
-    from agentrl.procmem import return_freed_memory
+if mode.startswith("fixed") or mode == "reused":
+    from agentrl.procmem import return_freed_memory, reused_heap
     assert return_freed_memory()
+heap = reused_heap() if mode == "reused" else contextlib.nullcontext()
 from agentrl.config import LearnerConfig
 from agentrl.models import load_model
 from agentrl.train.learner import LocalLearner
@@ -49,11 +51,12 @@ def rss_mib():
 base = rss_mib()
 ru0 = resource.getrusage(resource.RUSAGE_SELF)
 times = []
-for _ in range(2):  # the second pass meets the heap the first one left
-    t = time.perf_counter()
-    token_logprobs(learner.model, ids, torch.ones_like(ids)).sum().backward()
-    times.append(time.perf_counter() - t)
-    learner.model.zero_grad(set_to_none=True)
+with heap:  # reused: the heap kept through both passes, trimmed at the end (as around an update)
+    for _ in range(2):  # the second pass meets the heap the first one left
+        t = time.perf_counter()
+        token_logprobs(learner.model, ids, torch.ones_like(ids)).sum().backward()
+        times.append(time.perf_counter() - t)
+        learner.model.zero_grad(set_to_none=True)
 ru = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"peak_mib": hwm_mib() - base, "after_mib": rss_mib() - base, "s": times,
                   "minflt": ru.ru_minflt - ru0.ru_minflt, "sys_s": ru.ru_stime - ru0.ru_stime}))

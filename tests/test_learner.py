@@ -455,3 +455,46 @@ def test_old_logprobs_is_checked():
 
     with pytest.raises(UserError, match="learner.old_logprobs must be one of learner, sampler"):
         load_config(None, {"learner.old_logprobs": "vllm"})
+
+
+def test_the_update_reuses_the_heap_where_it_fits_and_lands_on_the_same_weights(tiny_model, four, monkeypatch):
+    """learner.heap auto on a CPU: the update runs inside procmem.reused_heap() when its largest
+    micro-batch's estimate, times the heap's fragmentation, fits what is free; not when it does not,
+    nor under heap fixed or auto-sized micro-batches; either way the same update to the bit."""
+    from agentrl.train import memory
+
+    batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
+    arms, entered = {}, {}
+    for name, heap, free in (("auto", "auto", 1 << 40), ("short", "auto", memory.RESERVE_BYTES + 1), ("fixed", "fixed", 1 << 40)):
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device, free=free: free)
+        learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2, heap=heap))
+        calls, real = [], learner.heap
+        learner.heap = lambda plan: calls.append(type(ctx := real(plan)).__name__) or ctx
+        arms[name] = (learner.update(batch), lora_weights(learner))
+        entered[name] = calls
+    assert entered == {"auto": ["_GeneratorContextManager"], "short": ["nullcontext"], "fixed": ["nullcontext"]}
+    for name in ("short", "fixed"):
+        assert arms[name][0].loss == arms["auto"][0].loss
+        assert all(torch.equal(a, b) for a, b in zip(arms[name][1], arms["auto"][1]))
+    sized = LocalLearner(copy.deepcopy(tiny_model), cfg(tokens_per_microbatch="auto"))
+    assert type(sized.heap(sized.plan(batch))).__name__ == "nullcontext"  # it fills free memory: the fixed threshold bounds it
+
+
+def test_the_heaps_fit_counts_its_fragmentation_and_checkpointing(monkeypatch):
+    """memory.reused_heap_fits: the estimate times REUSED_HEAP_PEAK (larger with gradient
+    checkpointing) against what is free less the reserve; never off the CPU."""
+    from agentrl.train import memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: memory.RESERVE_BYTES + (10 << 30))
+    assert memory.reused_heap_fits(6 << 30, False, "cpu")  # 9.6 GB with the heap's fragmentation
+    assert not memory.reused_heap_fits(6 << 30, True, "cpu")  # 24 GB
+    assert not memory.reused_heap_fits(9 << 30, False, "cpu")
+    assert not memory.reused_heap_fits(1, False, "meta")
+
+
+def test_learner_heap_is_checked():
+    from agentrl.config import load_config
+    from agentrl.errors import UserError
+
+    with pytest.raises(UserError, match="learner.heap must be one of auto, fixed"):
+        load_config(None, {"learner.heap": "big"})

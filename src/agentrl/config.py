@@ -34,6 +34,7 @@ OPTIONAL_SPLITS = ("valid_train",)
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
 KL_UNITS = ("trained-mean", "per-token")
 OLD_LOGPROBS = ("learner", "sampler")
+HEAPS = ("auto", "fixed")
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
 
 
@@ -237,6 +238,10 @@ class LearnerConfig:
     replay_buffer: int = 64
     loss_agg: str = "seq-sum"  # seq-sum (paper) | token-mean | seq-mean-token-mean
     gradient_checkpointing: bool = False
+    # an update's freed tensors on a CPU (procmem.py): auto (reused from glibc's heap where the update's
+    # estimated peak with the heap's fragmentation fits the memory free when it starts: no page fault
+    # per tensor, ~1.4x a forward + backward; else the fixed threshold's bounded peak) | fixed (always)
+    heap: str = "auto"
     device: str | None = None  # None: the sampler's (model.device); e.g. cuda:1 for the two-device layout
 
 
@@ -567,6 +572,7 @@ def _check_updates(c: Config) -> Checks:
         # a config file may carry the recipe's beta and leave the warm start to --init-adapter)
         (lc.kl_unit in KL_UNITS, f"learner.kl_unit must be one of {', '.join(KL_UNITS)}, got {lc.kl_unit!r}"),
         (lc.old_logprobs in OLD_LOGPROBS, f"learner.old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {lc.old_logprobs!r}"),
+        (lc.heap in HEAPS, f"learner.heap must be one of {', '.join(HEAPS)}, got {lc.heap!r}"),
         (lc.replay_coef >= 0, f"learner.replay_coef must be >= 0 (0: no success replay), got {lc.replay_coef}"),
         (lc.replay_buffer >= 1, f"learner.replay_buffer must be >= 1, got {lc.replay_buffer}"),
     ]

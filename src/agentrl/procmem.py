@@ -15,8 +15,9 @@ faulted in afresh (a 12-game warm start: 31.5 M page faults and 67 s of kernel C
 of its own; inside `reused_heap()` 6.3 M and 13 s). Where a phase's memory is bounded by
 something other than the heap, `reused_heap()` lets its transient tensors (up to 32 MiB) come
 from the heap and be reused, and gives the freed heap back at the end (`malloc_trim`): the
-sampler's generate calls (the KV store is allocated once and is mmapped either way) and the warm
-start's steps (a micro-batch of at most sft.token_budget tokens, no checkpointing).
+sampler's generate calls (the KV store is allocated once and is mmapped either way), the warm
+start's steps (a micro-batch of at most sft.token_budget tokens, no checkpointing), and a CPU
+learner's update where its estimated peak on the reused heap fits what is free (learner.heap auto).
 
 `AGENTRL_MALLOC=glibc` leaves glibc's default alone; a MALLOC_MMAP_THRESHOLD_ the user set wins.
 """

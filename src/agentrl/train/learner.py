@@ -12,6 +12,7 @@ minibatches use it, and `agentrl sft`'s behaviour cloning trains through it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from agentrl.rollout.trajectory import is_zero, step_allowed, step_sequences, to
 from agentrl.train.bc import ReplayPart, SuccessReplay
 from agentrl.train.handoff import STATE_WEIGHTS, TrainItem, UpdateStats
 from agentrl.train.loss import clipped_loss, field_kl_coef, grpo_loss, kl_penalty, kl_to_reference
-from agentrl.train.memory import tokens_per_microbatch
+from agentrl.procmem import reused_heap
+from agentrl.train.memory import microbatch_bytes, reused_heap_fits, tokens_per_microbatch
 from agentrl.train.attention import kernel_for, use_kernel
 from agentrl.train.packing import (Forked, Packed, autocast, autocast_dtype, fork, pack, sequence_logprobs, supports_packing,
                                    token_micro_batches)
@@ -287,6 +289,31 @@ class LocalLearner:
         plan = self.plan(batch)
         if not plan.work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
             return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
+        with self.heap(plan):
+            return self._run(plan)
+
+    def heap(self, plan: UpdatePlan):
+        """Where the update's freed tensors go on a CPU (learner.heap auto): reused from glibc's heap
+        (procmem.reused_heap: no page fault per tensor) when the largest micro-batch's estimate, with
+        the heap's fragmentation, fits the memory free now; else the fixed threshold's bounded peak,
+        which the run's check was made for. The update's numbers are the same either way. Not where
+        learner.tokens_per_microbatch auto sizes the micro-batches to fill free memory."""
+        cfg = self.cfg
+        if cfg.heap != "auto" or self.device.type != "cpu" or cfg.tokens_per_microbatch == "auto":
+            return contextlib.nullcontext()
+        lengths = sorted((len(t.token_ids) for t, _ in plan.work), reverse=True)
+        if cfg.tokens_per_microbatch is None:  # micro_batch sequences, the longest together at worst
+            rows = lengths[: cfg.micro_batch]
+            tokens, widest = sum(rows), rows[0]
+        else:  # at most the budget, or one sequence longer than it
+            tokens = widest = max(cfg.tokens_per_microbatch, lengths[0])
+            rows = lengths[-max(1, tokens // max(1, lengths[-1])):]
+        dtype_bytes = self.model.get_input_embeddings().weight.element_size()
+        peak = microbatch_bytes(self.model.config, dtype_bytes, len(rows), tokens, widest, cfg.gradient_checkpointing)
+        return reused_heap() if reused_heap_fits(peak, cfg.gradient_checkpointing, self.device) else contextlib.nullcontext()
+
+    def _run(self, plan: UpdatePlan) -> UpdateStats:
+        """The update planned: the pre-pass, the minibatch steps, one stats record."""
         from_sampler = plan.multi and self.cfg.old_logprobs == "sampler"
         old = self._old_logprobs(plan.work, from_sampler) if plan.multi else None  # the policy before the update,
         ref = self._logprobs(plan.work, reference=True) if self.cfg.kl_coef > 0 else None  # and the reference

@@ -177,6 +177,38 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
         + f", over the {_gb(max(0, free))} GB free on {device}; try " + ", or ".join(hints))
 
 
+# ---------------------------------------------------------------- the heap an update reuses (CPU)
+# A CPU update's peak inside procmem.reused_heap(), above the loaded model, over this module's
+# estimate of its largest micro-batch (activations and logits), without / with gradient
+# checkpointing: glibc's heap keeps freed blocks and fragments where the fixed threshold unmaps them.
+# Measured (docs/measurements/learner-memory.md): 1.18 (fp32, 2 rows x 2,048 random ids), 1.22 and
+# 1.50 (a real GRPO update of 8 trajectories, fp32 and bf16: the LoRA's and the loss's fp32 tensors
+# do not halve with the base); 3.06 with checkpointing (fp32). Rounded up.
+REUSED_HEAP_PEAK = {False: 1.6, True: 4.0}
+
+
+def microbatch_bytes(model_config, dtype_bytes: int, rows: int, tokens: int, row_tokens: int,
+                     gradient_checkpointing: bool) -> int:
+    """One micro-batch's activations and vocabulary projection, as `learner_memory` estimates them:
+    `tokens` in all over `rows` rows of at most `row_tokens`."""
+    vocab = getattr(text_config(model_config), "vocab_size", 0) or 0
+    return (tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
+            + rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES)
+
+
+def reused_heap_fits(peak_bytes: int, gradient_checkpointing: bool, device) -> bool:
+    """Whether an update whose largest micro-batch is estimated at `peak_bytes` (`microbatch_bytes`)
+    can reuse the heap: on a CPU, where that estimate times the heap's fragmentation fits the
+    memory available now, less RESERVE_BYTES. Elsewhere the fixed threshold keeps the peak the run's
+    check (`check_learner_fits`) was made for."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cpu":
+        return False
+    return peak_bytes * REUSED_HEAP_PEAK[gradient_checkpointing] <= available_memory_bytes(device) - RESERVE_BYTES
+
+
 # ---------------------------------------------------------------- the learner's token budget
 MAX_TOKENS_PER_MICROBATCH = 1 << 16  # beyond this a bigger forward buys no speed, only a longer wait
 CUDA_HEADROOM = 0.8  # of the free memory: the allocator's fragmentation, cuBLAS/attention workspaces
