@@ -299,17 +299,13 @@ class LocalLearner:
         which the run's check was made for. The update's numbers are the same either way. Not where
         learner.tokens_per_microbatch auto sizes the micro-batches to fill free memory."""
         cfg = self.cfg
-        if cfg.heap != "auto" or self.device.type != "cpu" or cfg.tokens_per_microbatch == "auto":
+        if cfg.heap != "auto" or cfg.tokens_per_microbatch == "auto":
             return contextlib.nullcontext()
-        lengths = sorted((len(t.token_ids) for t, _ in plan.work), reverse=True)
-        if cfg.tokens_per_microbatch is None:  # micro_batch sequences, the longest together at worst
-            rows = lengths[: cfg.micro_batch]
-            tokens, widest = sum(rows), rows[0]
-        else:  # at most the budget, or one sequence longer than it
-            tokens = widest = max(cfg.tokens_per_microbatch, lengths[0])
-            rows = lengths[-max(1, tokens // max(1, lengths[-1])):]
+        lengths = [len(t.token_ids) for t, _ in plan.work]
         dtype_bytes = self.model.get_input_embeddings().weight.element_size()
-        peak = microbatch_bytes(self.model.config, dtype_bytes, len(rows), tokens, widest, cfg.gradient_checkpointing)
+        peak = max(microbatch_bytes(self.model.config, dtype_bytes, len(rows), sum(lengths[i] for row in rows for i in row),
+                                    max(sum(lengths[i] for i in row) for row in rows), cfg.gradient_checkpointing)
+                   for idx in plan.steps for rows in self.micro_batches([lengths[i] for i in idx]))  # as _minibatch forms them
         return reused_heap() if reused_heap_fits(peak, cfg.gradient_checkpointing, self.device) else contextlib.nullcontext()
 
     def _run(self, plan: UpdatePlan) -> UpdateStats:

@@ -112,6 +112,20 @@ def weight_bytes(model_path: str) -> int:
     return sum(f.stat().st_size for f in files)
 
 
+def microbatch_parts(model_config, dtype_bytes: int, rows: int, tokens: int, row_tokens: int,
+                     gradient_checkpointing: bool) -> tuple[int, int]:
+    """One micro-batch's (saved activations, vocabulary projection): `tokens` in all over `rows`
+    rows of at most `row_tokens`, one chunk of 512 positions a row projected at once."""
+    vocab = getattr(text_config(model_config), "vocab_size", 0) or 0
+    return (tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing),
+            rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES)
+
+
+def microbatch_bytes(*args) -> int:
+    """`microbatch_parts` summed: what one micro-batch adds at its peak."""
+    return sum(microbatch_parts(*args))
+
+
 def learner_memory(cfg, t_max: int) -> LearnerMemory:
     """The learner's expected peak for this run's settings (see the module docstring)."""
     import torch
@@ -129,18 +143,13 @@ def learner_memory(cfg, t_max: int) -> LearnerMemory:
     rows = max(1, min(microbatch_rows(cfg.learner, row_tokens),
                       cfg.rollout.tasks * cfg.rollout.group_size * (t_max if history else 1)))
     master, train_state = train_state_bytes(cfg, model_config)
-    vocab = getattr(model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config,
-                    "vocab_size", 0)
     same_device = device == sampler_device and cfg.sampling.backend == "hf"
     kv = (cfg.rollout.tasks * cfg.rollout.group_size * expected_context_tokens(cfg, t_max, tokenizer)
           * kv_bytes_per_token(model_config, pick_dtype(cfg.model.dtype, sampler_device))) if same_device else 0
-    return LearnerMemory(
-        weights=master or weight_bytes(path),
-        train_state=train_state,
-        activations=rows * row_tokens * activation_bytes_per_token(model_config, dtype_bytes,
-                                                                     cfg.learner.gradient_checkpointing),
-        logits=rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES,
-        kv_cache=kv, rows=rows, row_tokens=row_tokens)
+    activations, logits = microbatch_parts(model_config, dtype_bytes, rows, rows * row_tokens, row_tokens,
+                                           cfg.learner.gradient_checkpointing)
+    return LearnerMemory(weights=master or weight_bytes(path), train_state=train_state, activations=activations,
+                         logits=logits, kv_cache=kv, rows=rows, row_tokens=row_tokens)
 
 
 def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
@@ -187,13 +196,6 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
 REUSED_HEAP_PEAK = {False: 1.6, True: 4.0}
 
 
-def microbatch_bytes(model_config, dtype_bytes: int, rows: int, tokens: int, row_tokens: int,
-                     gradient_checkpointing: bool) -> int:
-    """One micro-batch's activations and vocabulary projection, as `learner_memory` estimates them:
-    `tokens` in all over `rows` rows of at most `row_tokens`."""
-    vocab = getattr(text_config(model_config), "vocab_size", 0) or 0
-    return (tokens * activation_bytes_per_token(model_config, dtype_bytes, gradient_checkpointing)
-            + rows * min(512, row_tokens) * vocab * 4 * LOGIT_COPIES)
 
 
 def reused_heap_fits(peak_bytes: int, gradient_checkpointing: bool, device) -> bool:
