@@ -212,6 +212,35 @@ def test_sft_lowers_heldout_nll_and_writes_a_standard_peft_adapter(warm_start, t
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # trained, not the zero init
 
 
+def test_the_warm_start_reuses_the_heap_only_where_it_fits_and_learns_the_same(tmp_path, tiny_actor_dir, tokenizer,
+                                                                              data_root, monkeypatch):
+    """sft's steps run inside procmem.reused_heap() under the update's rule (learner.heap auto, the
+    largest micro-batch's estimate times the heap's fragmentation within what is free); not where
+    it does not fit, nor under learner.heap fixed; the same adapter to the bit either way."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from agentrl import procmem
+    from agentrl.train import learner as learner_module, memory
+
+    entered = []
+    monkeypatch.setattr(learner_module, "reused_heap", lambda: entered.append(1) or procmem.reused_heap())
+    arms = {}
+    for name, heap, free in (("auto", "auto", 1 << 40), ("short", "auto", memory.RESERVE_BYTES + 1), ("fixed", "fixed", 1 << 40)):
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device, free=free: free)
+        entered.clear()
+        out = tmp_path / name
+        cfg = sft_cfg(**{"model.name": str(tiny_actor_dir), "data.root": str(data_root), "sft.epochs": 1,
+                         "sft.heldout_games": 0, "learner.heap": heap})
+        run_sft(cfg, out, model=AutoModelForCausalLM.from_pretrained(tiny_actor_dir), tokenizer=tokenizer,
+                cache_dir=tmp_path / "cache")
+        arms[name] = (len(entered), load_file(out / "adapter_model.safetensors"))
+    assert {name: n for name, (n, _) in arms.items()} == {"auto": 1, "short": 0, "fixed": 0}
+    for name in ("short", "fixed"):
+        assert arms[name][1].keys() == arms["auto"][1].keys()
+        assert all(torch.equal(arms[name][1][k], v) for k, v in arms["auto"][1].items())
+
+
 def test_the_adapters_prompt_is_used_unless_told_otherwise(warm_start):
     out, _ = warm_start
     cfg = load_config(None, {"model.adapter": str(out)})

@@ -289,23 +289,23 @@ class LocalLearner:
         plan = self.plan(batch)
         if not plan.work:  # nothing carries signal: no optimizer step (Adam would still move on stale moments)
             return UpdateStats(0.0, 0.0, plan.n_total, 0, None, skipped=False, stepped=False, optimizer_steps=0)
-        with self.heap(plan):
+        with self.heap([[len(plan.work[i][0].token_ids) for i in idx] for idx in plan.steps]):
             return self._run(plan)
 
-    def heap(self, plan: UpdatePlan):
-        """Where the update's freed tensors go on a CPU (learner.heap auto): reused from glibc's heap
-        (procmem.reused_heap: no page fault per tensor) when the largest micro-batch's estimate, with
-        the heap's fragmentation, fits the memory free now; else the fixed threshold's bounded peak,
-        which the run's check was made for. The update's numbers are the same either way. Not where
+    def heap(self, steps: list[list[int]]):
+        """Where a CPU run's freed tensors go (learner.heap auto), given each optimizer step's
+        sequence lengths: reused from glibc's heap (procmem.reused_heap: no page fault per tensor)
+        when the largest micro-batch's estimate, as the steps cut them, with the heap's
+        fragmentation, fits the memory free now; else the fixed threshold's bounded peak, which the
+        run's check was made for. The numbers are the same either way. Not where
         learner.tokens_per_microbatch auto sizes the micro-batches to fill free memory."""
         cfg = self.cfg
-        if cfg.heap != "auto" or cfg.tokens_per_microbatch == "auto":
+        if cfg.heap != "auto" or cfg.tokens_per_microbatch == "auto" or not steps:
             return contextlib.nullcontext()
-        lengths = [len(t.token_ids) for t, _ in plan.work]
         dtype_bytes = self.model.get_input_embeddings().weight.element_size()
         peak = max(microbatch_bytes(self.model.config, dtype_bytes, len(rows), sum(lengths[i] for row in rows for i in row),
                                     max(sum(lengths[i] for i in row) for row in rows), cfg.gradient_checkpointing)
-                   for idx in plan.steps for rows in self.micro_batches([lengths[i] for i in idx]))  # as _minibatch forms them
+                   for lengths in steps for rows in self.micro_batches(lengths))  # as _minibatch and sft cut them
         return reused_heap() if reused_heap_fits(peak, cfg.gradient_checkpointing, self.device) else contextlib.nullcontext()
 
     def _run(self, plan: UpdatePlan) -> UpdateStats:

@@ -20,7 +20,6 @@ the dataset is what the policy will see at rollout time, token for token.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -45,7 +44,6 @@ from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorde
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_jsonl, read_jsonl
 from agentrl.models import cache_root, load_model
-from agentrl.procmem import reused_heap
 from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply_text
 from agentrl.rollout import ModelPolicy, run_lockstep
 from agentrl.rollout.trajectory import step_sequences
@@ -487,10 +485,10 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
         epoch_sum, epoch_n, train_before = resumed.epoch_sum, resumed.epoch_n, resumed.train_s
     train_t0 = last_kept = time.perf_counter()
     every = None if keep is None or s.checkpoint_minutes is None else 60 * s.checkpoint_minutes
-    # the steps' tensors reuse the heap (procmem.py: a third of the warm start's CPU went to page
-    # faults) unless the micro-batches were sized to fill free memory, which the fixed threshold bounds
-    heap = contextlib.nullcontext() if cfg.learner.tokens_per_microbatch == "auto" else reused_heap()
-    with heap:
+    # the steps' tensors reuse the heap where it fits (procmem.py: a third of the warm start's CPU
+    # went to page faults), the same rule as train's update (learner.heap), over the steps still to run
+    todo = [steps[done_steps if epoch == first_epoch else 0:] for epoch, steps in enumerate(epoch_steps, 1) if epoch >= first_epoch]
+    with learner.heap([[len(e.token_ids) for b in pending for e in b] for steps in todo for pending in steps]):
         for epoch, steps in enumerate(epoch_steps, start=1):
             if epoch < first_epoch:
                 continue
