@@ -66,11 +66,8 @@ def main() -> None:
 
     print(f"step-tokens in all: {int(total.sum()):,}")
     for K in a.k:
-        running = np.array([any(steps > K for _, steps, _ in g) for g in G])
-        won_by_K = np.array([any(w and steps <= K for w, steps, _ in g) for g in G])
-        cut = running & ~won_by_K
-        after = np.array([sum(sum(t[K:]) for _, _, t in g) for g in G], float)
-        oracle = after * (zero & running)
+        m = at_K(G, K)
+        running, cut, after, oracle = m["running"], m["cut"], m["after"], m["oracle"]
         tp, c = int((cut & zero).sum()), int(cut.sum())
         p = f"{tp / c:.2f} [{wilson(tp, c)[0]:.2f}, {wilson(tp, c)[1]:.2f}]" if c else "-"
         kept = np.percentile([np.sqrt(adv_sq[b][~cut[b]].sum() / adv_sq[b].sum()) for b in B], [2.5, 97.5])
@@ -81,6 +78,17 @@ def main() -> None:
               f"saves {share(after * cut, total)}, its zero-variance part {share(after * cut * zero, total)} "
               f"= {share(after * cut * zero, oracle)} of the oracle; informative cut {c - tp} of {int((~zero).sum())}; "
               f"advantage L2 kept {np.sqrt(adv_sq[~cut].sum() / adv_sq.sum()):.3f} [{kept[0]:.3f}, {kept[1]:.3f}]")
+
+
+def at_K(G: list, K: int) -> dict:
+    """Per group, at K: still running (a row past step K), cut by the no-win rule (running, no row
+    won by step K), the step-tokens after K, and the oracle's share of them (zero-variance and running)."""
+    wins = np.array([sum(w for w, _, _ in g) for g in G])
+    zero = (wins == 0) | (wins == np.array([len(g) for g in G]))
+    running = np.array([any(steps > K for _, steps, _ in g) for g in G])
+    won_by_K = np.array([any(w and steps <= K for w, steps, _ in g) for g in G])
+    after = np.array([sum(sum(t[K:]) for _, _, t in g) for g in G], float)
+    return {"running": running, "cut": running & ~won_by_K, "after": after, "oracle": after * (zero & running)}
 
 
 if __name__ == "__main__":

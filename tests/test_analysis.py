@@ -299,3 +299,33 @@ def test_several_tables_are_pooled_and_a_task_in_two_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "2 tables pooled" in " ".join(proc.stdout.split())
+
+
+def test_tier1_nowin_cuts_the_groups_without_a_win_by_K_and_counts_their_tokens(tmp_path, capsys, monkeypatch):
+    """benchmarks/tier1_nowin.py on constructed trajectories: an all-fail group running past K is
+    cut, an informative group whose first win comes after K is cut too (the rule's cost), one won
+    by K is not, nor a group that ended by K; the oracle takes only the zero-variance groups still
+    running."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tier1_nowin.py"
+    spec = importlib.util.spec_from_file_location("tier1_nowin", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = []
+    for task, trajs in {"fail": [(0, 12), (0, 12)], "late": [(1, 12), (0, 12)], "early": [(1, 2), (0, 12)],
+                        "done": [(1, 3), (1, 2)]}.items():
+        for won, steps in trajs:
+            rows.append({"task_id": task, "reward": float(won), "steps": steps, "step_tokens": [10] * steps})
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    G = bench.load([tmp_path], exclude={"done"})
+    assert len(G) == 3  # fail, late, early
+    m = bench.at_K(G, 10)
+    assert m["cut"].tolist() == [True, True, False] and m["running"].tolist() == [True, True, True]
+    assert m["after"].tolist() == [40.0, 40.0, 20.0] and m["oracle"].tolist() == [40.0, 0.0, 0.0]
+    assert bench.at_K(bench.load([tmp_path], exclude=set()), 3)["cut"].tolist() == [True, True, False, False]
+    monkeypatch.setattr(sys, "argv", ["tier1_nowin.py", str(tmp_path), "--exclude", "done", "--k", "10", "--resamples", "50"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "3 groups, 6 trajectories: won 2 = 33.3%" in out and "nowin: cut 2, precision 0.50" in out
