@@ -196,8 +196,6 @@ def check_learner_fits(cfg, t_max: int) -> LearnerMemory | None:
 REUSED_HEAP_PEAK = {False: 1.6, True: 4.0}
 
 
-
-
 def reused_heap_fits(peak_bytes: int, gradient_checkpointing: bool, device) -> bool:
     """Whether an update whose largest micro-batch is estimated at `peak_bytes` (`microbatch_bytes`)
     can reuse the heap: on a CPU, where that estimate times the heap's fragmentation fits the

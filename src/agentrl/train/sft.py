@@ -486,9 +486,8 @@ def train_epochs(cfg: Config, learner: LocalLearner, examples: list[Example], he
     train_t0 = last_kept = time.perf_counter()
     every = None if keep is None or s.checkpoint_minutes is None else 60 * s.checkpoint_minutes
     # the steps' tensors reuse the heap where it fits (procmem.py: a third of the warm start's CPU
-    # went to page faults), the same rule as train's update (learner.heap), over the steps still to run
-    todo = [steps[done_steps if epoch == first_epoch else 0:] for epoch, steps in enumerate(epoch_steps, 1) if epoch >= first_epoch]
-    with learner.heap([[len(e.token_ids) for b in pending for e in b] for steps in todo for pending in steps]):
+    # went to page faults), the same rule as train's update (learner.heap), over every step planned
+    with learner.heap([[len(e.token_ids) for b in pending for e in b] for steps in epoch_steps for pending in steps]):
         for epoch, steps in enumerate(epoch_steps, start=1):
             if epoch < first_epoch:
                 continue
