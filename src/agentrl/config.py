@@ -278,6 +278,11 @@ class SftConfig:
     # this many minutes after the last (0: every step; null: none); the same command continues it.
     # How often is not part of the recipe: a resumed warm start equals an uninterrupted one
     checkpoint_minutes: float | None = 10.0
+    # DAgger (`--relabel ROLLOUT`): states labelled by the planner per trajectory (the first where the
+    # policy left the plan, the rest spread over what follows)
+    relabel_states: int = 4
+    # begin from this adapter (the policy that was rolled out: a DAgger or RFT round) instead of a fresh LoRA
+    init_adapter: str | None = None
 
 
 @dataclass
@@ -596,6 +601,7 @@ def _check_sft(c: Config) -> Checks:
         (s.expert == "walkthrough" or c.env.kind == "alfworld",
          f"sft.expert handcoded is ALFWorld's expert: it needs env.kind alfworld, got {c.env.kind!r}"),
         (s.expert_max_steps >= 1, f"sft.expert_max_steps must be >= 1, got {s.expert_max_steps}"),
+        (s.relabel_states >= 1, f"sft.relabel_states must be >= 1, got {s.relabel_states}"),
         (s.checkpoint_minutes is None or s.checkpoint_minutes >= 0,
          f"sft.checkpoint_minutes must be >= 0 (0: every step; null: never), got {s.checkpoint_minutes}"),
         (s.split in SPLITS and s.heldout_split in SPLITS, f"unknown sft split; choose from {', '.join(SPLITS)}"),

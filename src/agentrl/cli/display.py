@@ -354,9 +354,15 @@ def sft_summary_lines(summary: dict, out) -> list[str]:
     expert = s.get("expert") == "handcoded"
     what = (f"the {s['won']} won of {s['trajectories']} rollouts" if "from" in s
             else f"the hand-coded expert's play of {s['examples']} games" if expert else f"{s['examples']} walkthroughs")
-    if s.get("skipped") and "from" not in s:
+    if "dagger" in s:  # the aggregated data: walkthroughs, then the policy's states the planner labelled
+        d = s["dagger"]
+        what = (f"{s['examples'] - d['states']} walkthroughs and {d['states']} states of {d['trajectories']} rollouts "
+                f"labelled by the planner ({d['labelled']} rollouts left its plan; {d['skipped']} skipped)")
+    elif s.get("skipped") and "from" not in s:
         why = "the expert did not win them" if expert else "no winning walkthrough"
         what += f" ({s['skipped']} of {s['games']} skipped: {why})"
+    if s.get("init_adapter"):
+        what += f", from {s['init_adapter']}"
     weights = f"LoRA r{summary['lora']['r']}" if summary["lora"]["r"] else "every weight (full fine-tuning)"
     return [f"wrote {out}: {weights} on {what} ({s['reply_tokens']} reply tokens), "
             f"{s['epochs']} epochs, {summary['minutes']:.1f} min; held-out NLL "

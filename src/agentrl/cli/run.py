@@ -280,6 +280,9 @@ def sft_cmd(
     expert: opt(OptStr, "sft.expert", "The teacher: walkthrough (each game file's plan, written knowing where everything is; the default) | handcoded (ALFWorld's hand-coded expert, which searches; a game it does not win in sft.expert_max_steps is skipped, counted).") = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
+    relabel: opt(Optional[list[Path]], None, "DAgger: add the states this `agentrl rollout` output's trajectories reached (train games; trajectories.jsonl or its directory; repeatable), each labelled with the PDDL planner's command there, to the walkthroughs of --games.") = None,
+    relabel_states: opt(OptInt, "sft.relabel_states", "States labelled per --relabel trajectory: the first where it left the planner's plan, the rest spread over what follows (default 4).") = None,
+    init_adapter: opt(OptStr, "sft.init_adapter", "Begin from this adapter (e.g. the policy --relabel's rollouts came from) instead of a fresh LoRA.") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
     reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,
     resume: opt(bool, None, "Continue the unfinished warm start of this recipe in OUT.partial/ (its checkpoints, every sft.checkpoint_minutes); --no-resume discards it.") = True,
@@ -296,7 +299,12 @@ def sft_cmd(
     from agentrl.train import sft_plan  # bad input is answered from here, before torch loads
 
     sources = [sft_plan.rollout_file(p) for p in from_ or []]
-    if reuse and (record := sft_plan.reusable(cfg, out, sources)):
+    relabel = [sft_plan.rollout_file(p) for p in relabel or []]
+    if sources and relabel:
+        raise UserError("--from and --relabel make different data sets (won rollouts in place of the walkthroughs; "
+                        "labelled states added to them): use one")
+    sft_plan.check_init_adapter(cfg)
+    if reuse and (record := sft_plan.reusable(cfg, out, sources, relabel)):
         console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "
                       f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")
         return
@@ -306,7 +314,8 @@ def sft_cmd(
         sft_plan.select_games(cfg, cfg.sft.split, cfg.sft.games)  # no data, no games: say so before the progress bar
     from agentrl.train import sft  # torch
     labels = {"replay": "replaying walkthroughs", "heldout": "replaying held-out walkthroughs", "train": "training, optimizer steps",
-              "expert": "playing the hand-coded expert", "heldout expert": "playing the hand-coded expert, held-out games"}
+              "expert": "playing the hand-coded expert", "heldout expert": "playing the hand-coded expert, held-out games",
+              "planner": "labelling the trajectories' states with the planner"}
     with progress_bar() as bar:
         task = bar.add_task("loading model and games", total=None, info="")
 
@@ -316,6 +325,6 @@ def sft_cmd(
         hooks = sft.SftHooks(phase=lambda name, total=None: start_phase(bar, task, labels.get(name, name), total),
                              advance=advance, done=lambda row: bar.console.print(sft_epoch_line(row)),
                              note=bar.console.print)
-        summary = sft.run_sft(cfg, out, force, hooks, sources=sources, resume=resume)
+        summary = sft.run_sft(cfg, out, force, hooks, sources=sources, resume=resume, relabel=relabel)
     for line in sft_summary_lines(summary, out):
         console.print(line)

@@ -83,6 +83,8 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
                 out.append(replay_game(make_env, *arg))
             elif op == "expert":  # a game played by ALFWorld's hand-coded expert, its env opened and closed here
                 out.append(play_expert(*arg))
+            elif op == "planner":  # a trajectory's commands replayed, some states labelled by the planner (planner.py)
+                out.append(label_states(*arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
             if (env := envs.pop(handle, None)) is not None:  # closed: its library copy goes back to the free list
                 with contextlib.suppress(Exception):  # a second failure, while closing, is not the one to report
@@ -97,11 +99,20 @@ def play_expert(game, max_steps: int, seed: int):
     return play_handcoded(game, max_steps, seed)
 
 
+def label_states(game, commands, n: int):
+    from agentrl.env.planner import label_commands  # the engine's planner: imported where it plans
+
+    return label_commands(game, commands, n)
+
+
+ONE_OFF = ("replay", "expert", "planner")  # ops whose env is opened and closed within the request
+
+
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
     """A request's plan: which worker gets which items. The envs of one game go to one worker
     (`pool._by_game`, round-robin over games); `pool._owner` maps env handles to workers.
     A replay holds no env after its answer: its items are dealt round-robin, nothing is owned."""
-    if op in ("replay", "expert"):
+    if op in ONE_OFF:
         pending = Pending(op, [EnvFailure(f"{op} lost with its {what}", worker_lost=True)] * len(items))
         for i in range(len(items)):
             pending.shares.setdefault(i % n_workers, []).append(i)
@@ -168,6 +179,8 @@ class LocalEnvs(_Batches):
                 return replay_game(self.make_env, *arg)
             if op == "expert":
                 return play_expert(*arg)
+            if op == "planner":
+                return label_states(*arg)
             env = self._envs.pop(handle, None)  # release
             if env is not None:
                 env.close()

@@ -51,10 +51,11 @@ from agentrl.sampling.base import Completion, SamplingParams
 from agentrl.train import checkpoint
 from agentrl.train.bc import masked_nll_sum  # noqa: F401 (sft's loss; tests import it from here)
 from agentrl.train.learner import LocalLearner, build_learner
+from agentrl.train.relabel import relabelled_states
 from agentrl.train.rft import won_rollouts
-from agentrl.train.sft_plan import (DATASET_VERSION, NOT_RECIPE, check_out_dir, comparable,  # noqa: F401 (the light half:
-                                     first_difference, partial_dir, recipe, reusable, select_games,  # tests and benchmarks
-                                     sft_prompt, source_digests)  # import them from here too)
+from agentrl.train.sft_plan import (DATASET_VERSION, NOT_RECIPE, check_init_adapter, check_out_dir, comparable,  # noqa: F401 (the light half:
+                                     first_difference, partial_dir, recipe, relabel_digests, reusable,  # tests and
+                                     select_games, sft_prompt, source_digests)  # benchmarks import them from here too)
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,8 @@ def unfinished(out: Path) -> Path | None:
     return checkpoint.latest(partial)
 
 
-def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[Path] | None = None) -> Path | None:
+def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[Path] | None = None,
+              relabel: list[Path] | None = None) -> Path | None:
     """The checkpoint this run continues: OUT's unfinished warm start of this very recipe, unless
     `resume` is off (then it is discarded). One of another recipe is discarded with `force`, else
     refused: it is the user's, and this run would not continue it."""
@@ -279,7 +281,8 @@ def resumable(cfg: Config, out: Path, force: bool, resume: bool, sources: list[P
     if found is None:
         return None
     state = checkpoint.read_state(found, SftState)
-    differs = first_difference(comparable(state.recipe), recipe(sft_prompt(cfg), source_digests(sources)))
+    differs = first_difference(comparable(state.recipe),
+                               recipe(sft_prompt(cfg), source_digests(sources), relabel_digests(relabel)))
     if resume and differs is None:
         return found
     if differs is not None and not force and resume:
@@ -298,17 +301,21 @@ def dataset_digest(examples: list[Example]) -> str:
 
 
 def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None = None, model=None, tokenizer=None,
-            cache_dir: Path | None = None, sources: list[Path] | None = None, resume: bool = True) -> dict:
+            cache_dir: Path | None = None, sources: list[Path] | None = None, resume: bool = True,
+            relabel: list[Path] | None = None) -> dict:
     """Build the expert data, train the LoRA, write DIR. Returns the summary written to agentrl.json.
     `sources` (`--from`): rollouts' trajectories.jsonl files (or their directories): their won
     trajectories are the data in place of the walkthroughs (rejection-sampling fine-tuning).
+    `relabel` (`--relabel`, DAgger): rollouts whose states the planner labels (relabel.py), added
+    to the walkthroughs; `sft.init_adapter`: begin from that adapter, not a fresh LoRA.
     Checkpoints go to OUT.partial/ every `sft.checkpoint_minutes`; the same call continues from
     the latest (`resume`), and OUT.partial/ goes once DIR is written."""
     hooks = hooks or SftHooks()
     cfg = sft_prompt(cfg)
     s = cfg.sft
     check_out_dir(out, force)
-    found = resumable(cfg, out, force, resume, sources)  # before anything loads: a refusal is one line
+    check_init_adapter(cfg)
+    found = resumable(cfg, out, force, resume, sources, relabel)  # before anything loads: a refusal is one line
     games = [] if sources else select_games(cfg, s.split, s.games)
     heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
     t0 = time.perf_counter()
@@ -319,9 +326,13 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     data, held = replay(cfg, games, heldout_games, tokenizer, cache_dir, hooks)
     if won is not None:
         data = ExpertData([Example(*seq) for seq in won.sequences])
+    dagger = relabelled(cfg, relabel, tokenizer, cache_dir, hooks) if relabel else None
+    if dagger is not None:  # the aggregated data set: the walkthroughs and the policy's labelled states
+        data.examples += [Example(*seq) for seq in dagger.sequences]
     replay_s = time.perf_counter() - t0
     learner = sft_learner(cfg, model)
-    digest, run_recipe = dataset_digest(data.examples), recipe(cfg, won.files if won is not None else None)
+    digest = dataset_digest(data.examples)
+    run_recipe = recipe(cfg, won.files if won is not None else None, [d["sha256"] for d in dagger.files] if dagger else None)
     resumed = None
     if found is not None:
         resumed, _ = checkpoint.load(found, learner, SftState)
@@ -341,6 +352,10 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
 
     origin = ({"from": won.files, "trajectories": won.trajectories, "won": won.won} if won is not None
               else {"split": s.split, "games": len(games)})
+    if dagger is not None:
+        origin["dagger"] = dagger.summary()
+    if s.init_adapter:
+        origin["init_adapter"] = s.init_adapter
     rows = [{"kind": "dataset", **origin, "examples": len(data.examples), "skipped": len(data.skipped),
              "reply_tokens": sum(e.reply_tokens for e in data.examples),
              "tokens": sum(len(e.token_ids) for e in data.examples), "heldout_examples": len(held.examples),
@@ -370,14 +385,14 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
 SKIP_WARNINGS = 10  # games named one by one; past that, one line counts the rest by reason
 
 
-def warn_skipped(skipped: list[tuple[str, str]]) -> None:
+def warn_skipped(skipped: list[tuple[str, str]], what: str = "walkthrough of", things: str = "games") -> None:
     """Name the first skipped games with their reasons, then count them all by reason in one line
     (the hand-coded expert on every train game skips hundreds: a line each buries the run's log)."""
     for game_id, why in skipped[:SKIP_WARNINGS]:
-        log.warning("walkthrough of %s skipped: %s", game_id, why)
+        log.warning("%s %s skipped: %s", what, game_id, why)
     if len(skipped) > SKIP_WARNINGS:
         reasons = Counter(why.split(" (")[0] for _, why in skipped)
-        log.warning("%d games skipped in all (%d more than named above): %s", len(skipped), len(skipped) - SKIP_WARNINGS,
+        log.warning("%d %s skipped in all (%d more than named above): %s", len(skipped), things, len(skipped) - SKIP_WARNINGS,
                     "; ".join(f"{n} {why}" for why, n in reasons.most_common()))
 
 
@@ -432,11 +447,27 @@ def expert_data(cfg: Config, phase: str, games, tokenizer, envs, cache_dir: Path
 
 def sft_learner(cfg: Config, model) -> LocalLearner:
     """The learner behaviour cloning trains through: the run's LoRA (rank, target modules, weight
-    decay), freshly initialised from cfg.seed (GRPO then continues it), AdamW at sft.lr, clipped
-    at sft.grad_clip. No KL reference and no activation checkpointing: sft never used them."""
+    decay), freshly initialised from cfg.seed (GRPO then continues it) or `sft.init_adapter`'s,
+    AdamW at sft.lr, clipped at sft.grad_clip. No KL reference and no activation checkpointing:
+    sft never used them."""
     settings = dataclasses.replace(cfg.learner, lr=cfg.sft.lr, grad_clip=cfg.sft.grad_clip, kl_coef=0.0,
                                    replay_coef=0.0, gradient_checkpointing=False)
-    return build_learner(cfg, model, settings=settings, warm_start=False)
+    init = cfg.sft.init_adapter
+    return build_learner(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_adapter=init)), model,
+                         settings=settings, warm_start=bool(init))
+
+
+def relabelled(cfg: Config, relabel: list[Path], tokenizer, cache_dir: Path | None, hooks: SftHooks):
+    """DAgger's examples: the states of `relabel`'s trajectories, labelled by the planner (relabel.py)."""
+    cache_dir = cache_dir if cache_dir is not None else cache_root() / "sft-data"
+    dagger = relabelled_states(relabel, cfg, tokenizer, cache_dir.parent, on_phase=hooks.phase, on_done=hooks.advance)
+    warn_skipped(dagger.skipped, "trajectory", "trajectories")
+    log.info("relabelled %d states of %d trajectories (%d kept to the planner's plan; %d skipped)", len(dagger.sequences),
+             dagger.trajectories, dagger.trajectories - dagger.labelled - len(dagger.skipped), len(dagger.skipped))
+    if not dagger.sequences:
+        raise UserError(f"--relabel: no state of the {dagger.trajectories} trajectories was labelled (each kept to the "
+                        "planner's plan, or was skipped): nothing to add")
+    return dagger
 
 
 def nll_loss(learner: LocalLearner, examples: list[Example], n_tokens: int):

@@ -44,9 +44,10 @@ def sft_prompt(cfg: Config) -> Config:
     return cfg
 
 
-def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
+def recipe(cfg: Config, sources: list[dict] | None = None, relabel: list[str] | None = None) -> dict:
     """Everything that decides what a warm start is (not where or how fast it is built); `sources`:
-    `--from`'s files and their digests (the data in place of the walkthroughs)."""
+    `--from`'s files and their digests (the data in place of the walkthroughs); `relabel`: the
+    digests of `--relabel`'s files (DAgger: their labelled states added to the walkthroughs)."""
     lc = cfg.learner
     return comparable({"model": cfg.model.name, "data": str(cfg.data.root or ""), "seed": cfg.seed, "env": cfg.env.kind,
             "prompt": {"example": cfg.prompt.example, "reply": cfg.prompt.reply, "dir": cfg.prompt.dir,
@@ -63,7 +64,10 @@ def recipe(cfg: Config, sources: list[dict] | None = None) -> dict:
             **({"dtype": dtype} if lc.lora_r and (dtype := resolved_dtype(cfg.model.dtype, cfg.model.device)) != "float32"
                else {}),
             "dataset_version": DATASET_VERSION,
-            **({"from": [d["sha256"] for d in sources]} if sources else {})})
+            **({"from": [d["sha256"] for d in sources]} if sources else {}),
+            # DAgger's data and where training begins, named only where used: earlier warm starts keep their recipe
+            **({"relabel": {"files": relabel, "states": cfg.sft.relabel_states}} if relabel else {}),
+            **({"init_adapter": adapter_digest(cfg.sft.init_adapter)} if cfg.sft.init_adapter else {})})
 
 
 LORA_ONLY = ("alpha", "dropout", "target_modules")  # what full fine-tuning (r 0) does not use
@@ -79,9 +83,9 @@ def comparable(recipe_: dict | None) -> dict | None:
     return {**recipe_, "lora": {k: v for k, v in lora.items() if k not in LORA_ONLY}}
 
 
-def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict | None:
+def reusable(cfg: Config, out: Path, sources: list[Path] | None = None, relabel: list[Path] | None = None) -> dict | None:
     """The record of the warm start in `out` if it was built with this very recipe (and, for
-    `--from`, from files with the same contents), else None."""
+    `--from` and `--relabel`, from files with the same contents), else None."""
     f = out / ADAPTER_RECORD
     try:
         record = json.loads(f.read_text())
@@ -91,7 +95,48 @@ def reusable(cfg: Config, out: Path, sources: list[Path] | None = None) -> dict 
         done = (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     else:  # full fine-tuning's model directory
         done = (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    return record if done and comparable(record.get("recipe")) == recipe(sft_prompt(cfg), source_digests(sources)) else None
+    return record if done and comparable(record.get("recipe")) == recipe(sft_prompt(cfg), source_digests(sources),
+                                                                                       relabel_digests(relabel)) else None
+
+
+def relabel_digests(paths: list[Path] | None) -> list[str] | None:
+    """`--relabel`'s files as the recipe names them (their contents' digests); None without it."""
+    return [hashlib.sha256(rollout_file(p).read_bytes()).hexdigest() for p in paths] if paths else None
+
+
+def check_init_adapter(cfg: Config) -> None:
+    """`--init-adapter`: a LoRA adapter (or full weights) of this model, taught with the prompt sft
+    teaches (the rolled-out policy's prompt is what the relabelled contexts hold)."""
+    from agentrl.config import adapter_record, effective_prompt
+    from agentrl.models import check_full_weights, check_lora_adapter
+    from agentrl.weights import refuse_full_init, weights_kind
+
+    init = cfg.sft.init_adapter
+    if not init:
+        return
+    if not Path(init).is_dir():
+        raise UserError(f"--init-adapter {init}: no such directory")
+    if weights_kind(init) == "full":
+        refuse_full_init(cfg.learner.lora_r, init)
+        check_full_weights(init, cfg.model.name, cfg.model.trust_remote_code)
+    else:
+        check_lora_adapter(init, cfg.model.name, cfg.model.trust_remote_code)
+    trained, taught = (adapter_record(init) or {}).get("prompt"), effective_prompt(sft_prompt(cfg))
+    if trained is not None and {k: trained.get(k) for k in taught} != taught:
+        raise UserError(f"--init-adapter {init} was trained with the prompt {trained}, and sft teaches {taught}: "
+                        "continue it with its own prompt settings")
+
+
+def adapter_digest(path: str) -> str:
+    """What `--init-adapter` begins from, as the recipe names it: the digest of its weights files."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--init-adapter {path}: no .safetensors weights there: give the directory `agentrl sft` or "
+                        "`agentrl train` wrote")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def source_digests(sources: list[Path] | None) -> list[dict] | None:
@@ -100,7 +145,7 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
 
 
 # sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
-NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps")
+NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "init_adapter")
 
 
 def partial_dir(out: Path) -> Path:
