@@ -217,6 +217,46 @@ def test_how_many_games_are_playable_is_said_where_a_user_looks(tmp_path, games)
     assert summary["walkthroughs"] == {"won": 2, "unwinnable": [short.game_id], "longer_than_t_max": []}
 
 
+def test_a_game_that_hangs_again_takes_no_other_with_it_on_the_second_try(games):
+    """The second try sends one request a worker at a time: a game that hangs again (a planner
+    state past the timeout) is the only one lost. A stand-in backend, because a real worker cannot
+    be made to hang on one chosen game every time: like EnvPool's, its worker loses every request
+    in flight when one of them hangs."""
+    from agentrl.env.pool import EnvFailure, Pending
+    from agentrl.env.replay import Replay, ReplayStats, played
+
+    chosen = list(games.values())  # six games, one request each: four in flight at first
+    hangs = chosen[2].game_id
+
+    class OneWorker:
+        workers = 1
+
+        def __init__(self):
+            self.in_flight: list[Pending] = []
+
+        def submit(self, op, items):
+            p = Pending(op, [g for _, g in items])
+            self.in_flight.append(p)
+            return p
+
+        def collect(self, pending):
+            if pending not in self.in_flight:  # lost with an earlier hang
+                return pending.out
+            if any(g.game_id == hangs for p in self.in_flight for g in p.out):  # the worker hangs: all in flight lost
+                lost, self.in_flight = self.in_flight, []
+                for p in lost:
+                    p.out = [EnvFailure("env worker did not answer", worker_lost=True)] * len(p.out)
+                return pending.out
+            self.in_flight.remove(pending)
+            pending.out = [Replay(g.game_id, won=True) for g in pending.out]
+            return pending.out
+
+    records, stats = played(chosen, OneWorker(), None, "replay", lambda g: None, lambda g: g)
+    assert isinstance(stats, ReplayStats)
+    assert [g.game_id for g in chosen if records[g.game_id].error] == [hangs]  # only the game that hangs
+    assert stats.retried == 4  # the first try lost the four in flight with it
+
+
 def test_games_lost_with_a_hung_worker_are_played_once_more(tmp_path, games, caplog):
     """A worker that hangs (SIGSTOP) loses every game queued on it: those are played once more on
     the fresh worker, not skipped (a warm start would otherwise train on fewer games for a

@@ -230,10 +230,12 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
         on_game(stats.hits)
     lost: list = []
     _fan_out(backend, op, arg_of, todo, records, cache, stats, on_game, lost)
-    if lost:  # a worker hung or died under them: a transient loss, not the game's; once more on fresh workers
-        log.warning("%d games lost with an env worker that hung or died during %s: played once more", len(lost), op)
+    if lost:  # a worker hung or died under them: a transient loss, not the game's; once more on fresh workers,
+        # one request a worker at a time, so a game that hangs again takes no other with it
+        log.warning("%d %s lost with an env worker that hung or died during %s: played once more", len(lost),
+                    "trajectories" if op == "planner" else "games", op)
         stats.retried = len(lost)
-        _fan_out(backend, op, arg_of, lost, records, cache, stats, on_game, None)
+        _fan_out(backend, op, arg_of, lost, records, cache, stats, on_game, None, in_flight=1)
     for r in records.values():
         stats.won += r.won and r.error is None
         stats.unwinnable += not r.won and r.error is None
@@ -243,15 +245,15 @@ def played(games: list[Game], backend, cache: ReplayCache | None, op: str, key_o
 
 
 def _fan_out(backend, op: str, arg_of, todo: list, records: dict, cache: ReplayCache | None, stats: ReplayStats,
-             on_game, lost: list | None) -> None:
-    """Play `todo` ((game, cache key) pairs) on the backend's workers, a window of requests in
+             on_game, lost: list | None, in_flight: int = IN_FLIGHT) -> None:
+    """Play `todo` ((game, cache key) pairs) on the backend's workers, `in_flight` requests in
     flight; with a `lost` list, the pairs lost with a worker go there instead of into `records`."""
     per_request = max(1, getattr(backend, "workers", 1)) if todo else 1  # (asks a lazy pool to start)
     window: list = []
     for start in range(0, len(todo), per_request):
         chunk = todo[start:start + per_request]
         window.append((backend.submit(op, [(i, arg_of(g)) for i, (g, _) in enumerate(chunk)]), chunk))
-        if len(window) >= IN_FLIGHT:
+        if len(window) >= in_flight:
             _collect(backend, window.pop(0), records, cache, stats, on_game, lost)
     while window:
         _collect(backend, window.pop(0), records, cache, stats, on_game, lost)
