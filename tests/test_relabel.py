@@ -110,7 +110,8 @@ def cfg(data_root):
     from agentrl.config import load_config
     from agentrl.train.sft import sft_prompt
 
-    return sft_prompt(load_config(None, {"data.root": str(data_root), "env.workers": 0, "sft.relabel_states": 3}))
+    return sft_prompt(load_config(None, {"data.root": str(data_root), "env.workers": 0, "sft.relabel_states": 3,
+                                         "sft.relabel_from": "start"}))
 
 
 def write(path, records):
@@ -140,6 +141,33 @@ def test_each_labelled_state_is_the_exact_context_then_the_planners_reply(cfg, g
         assert mask == [0] * start + [1] * len(reply)
         assert task_type == game.task_type and example_id.startswith(f"{game.game_id}#0@0:1/")
     assert out.summary() == {"relabel": [str(f)], "trajectories": 2, "labelled": 1, "states": 3, "skipped": 0}
+
+
+def test_labels_begin_where_the_trajectory_has_seen_the_tasks_object(cfg, game, tokenizer, tmp_path):
+    """relabel_from seen (the default): before the object is seen, the planner's next command is
+    where the object lies, which the policy cannot know; nothing before it is labelled, and a
+    trajectory that never saw it has nothing to label."""
+    import dataclasses
+
+    from agentrl.env.planner import object_seen_at
+    from agentrl.train.relabel import relabelled_states
+
+    w = list(game.walkthrough)
+    wander = ["go to bed 1", "look", w[0], "go to bed 1", "look", "go to bed 1"]  # the clock is seen at the dresser
+    never = ["go to bed 1", "look", "go to bed 1"]
+    records = [scripted_record(cfg, game, wander, tokenizer), scripted_record(cfg, game, never, tokenizer)]
+    observations = [s["observation"] for s in records[0]["step_records"]]
+    assert "alarmclock" in observations[2] and not any("alarmclock" in o for o in observations[:2])
+    assert object_seen_at(game, records[0]["initial_observation"], observations) == 3
+    assert object_seen_at(game, records[1]["initial_observation"], [s["observation"] for s in records[1]["step_records"]]) is None
+    write(tmp_path / "r.jsonl", records)
+    seen = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, relabel_from="seen"))
+    out = relabelled_states([tmp_path / "r.jsonl"], seen, tokenizer, tmp_path / "cache")
+    steps = [int(s[0].rsplit("/", 1)[1]) for s in out.sequences]
+    assert steps and min(steps) == 3  # from the first state that has seen it, and none before
+    assert out.unseen == 1 and out.summary()["never_saw_the_object"] == 1
+    everywhere = relabelled_states([tmp_path / "r.jsonl"], cfg, tokenizer, tmp_path / "cache")  # relabel_from start
+    assert min(int(s[0].rsplit("/", 1)[1]) for s in everywhere.sequences) == 0 and everywhere.unseen == 0
 
 
 def test_a_trajectory_the_engine_answers_otherwise_is_skipped(cfg, game, tokenizer, tmp_path):
@@ -245,7 +273,7 @@ def test_sft_relabel_trains_the_walkthroughs_and_the_labelled_states_from_the_in
     saved = load_file(f"{adapter}/adapter_model.safetensors")
     assert len(began) == len([k for k in saved if "lora_B" in k]) > 0
     assert all(any(torch.equal(v, s) for s in saved.values() if s.shape == v.shape) for v in began.values())  # began from it
-    assert summary["recipe"]["relabel"] == {"files": [states.files[0]["sha256"]], "states": 3}
+    assert summary["recipe"]["relabel"] == {"files": [states.files[0]["sha256"]], "states": 3, "from": "start"}
     assert len(summary["recipe"]["init_adapter"]) == 64
     assert sft.reusable(run_cfg, out, relabel=[f]) is not None  # the same files: reusable
     write(f, [rec, rec])

@@ -282,6 +282,7 @@ def sft_cmd(
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     relabel: opt(Optional[list[Path]], None, "DAgger: add the states this `agentrl rollout` output's trajectories reached (train games; trajectories.jsonl or its directory; repeatable), each labelled with the PDDL planner's command there, to the walkthroughs of --games.") = None,
     relabel_states: opt(OptInt, "sft.relabel_states", "States labelled per --relabel trajectory: the first where it left the planner's plan, the rest spread over what follows (default 4).") = None,
+    relabel_from: opt(OptStr, "sft.relabel_from", "Where --relabel's labels may begin: seen (once an observation named the task's object; the default: before it the planner's command is where the object lies, which the policy cannot know) | start.") = None,
     init_adapter: opt(OptStr, "sft.init_adapter", "Begin from this adapter (e.g. the policy --relabel's rollouts came from) instead of a fresh LoRA.") = None,
     force: opt(bool, None, "Overwrite --out if it exists.") = False,
     reuse: opt(bool, None, "Keep --out if it already holds a warm start of this very recipe (model, LoRA, prompt, sft settings, seed); else build it.") = False,

@@ -26,6 +26,7 @@ commands, n and the engine: the labels are a pure function of those.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
@@ -63,21 +64,22 @@ def plan_from(env: AlfworldEnv) -> list[str]:
     return list(inner._pddl_state.replan(inner._entity_infos) or [])
 
 
-def label_commands(game: Game, commands: list[str | None], n: int) -> Replay:
+def label_commands(game: Game, commands: list[str | None], n: int, start: int = 0) -> Replay:
     """Replay `commands` (None: an invalid reply, the engine's no-op) in a fresh env of `game` and
-    label up to `n` states with the planner's next command (see the module's docstring). The
-    record's steps are what the engine answered, as a walkthrough's replay records them; a
-    labelled step also carries `"planner"`: the command the planner would have sent there."""
+    label up to `n` states from step `start` on with the planner's next command (see the module's
+    docstring). The record's steps are what the engine answered, as a walkthrough's replay records
+    them; a labelled step also carries `"planner"`: the command the planner would have sent there."""
     env = AlfworldEnv(game)
     try:
         first = env.reset()
         record = Replay(game.game_id, {"observation": first.observation, "admissible": list(first.admissible)})
-        admissible, plan, departed, chosen, labels = first.admissible, plan_from(env), None, set(), 0
+        admissible, departed, chosen, labels = first.admissible, None, set(), 0
+        plan = plan_from(env) if start == 0 else []
         for t, command in enumerate(commands):
-            if departed is not None and t in chosen:
+            if (departed is not None and t in chosen) or (t == start and t > 0):
                 plan = plan_from(env)
             label = None
-            if plan and (departed is None or t in chosen) and command != plan[0] and labels < n:
+            if t >= start and plan and (departed is None or t in chosen) and command != plan[0] and labels < n:
                 label = plan[0] if plan[0] in admissible else None  # (never seen inadmissible: not taught if it is)
                 if departed is None:
                     departed, chosen = t, set(spread(t, len(commands), n))
@@ -87,7 +89,7 @@ def label_commands(game: Game, commands: list[str | None], n: int) -> Replay:
             if label is not None:
                 step[LABEL], labels = label, labels + 1
             record.steps.append(step)
-            if departed is None and plan:
+            if departed is None and plan and t >= start:
                 plan = plan[1:]  # the plan's own step: the rest of it still holds
             admissible = r.admissible
             if r.done:
@@ -98,23 +100,36 @@ def label_commands(game: Game, commands: list[str | None], n: int) -> Replay:
         env.close()
 
 
-def labels_key(game: Game, commands: list[str | None], n: int) -> str | None:
-    """The cache key of a trajectory's labels: its game file, its commands, n, the engine."""
-    return file_key(game, PLANNER_VERSION, [LABEL, engine_versions(), list(commands), int(n)])
+def labels_key(game: Game, commands: list[str | None], n: int, start: int = 0) -> str | None:
+    """The cache key of a trajectory's labels: its game file, its commands, n, the first step
+    labelled (named where it is not 0), the engine."""
+    return file_key(game, PLANNER_VERSION, [LABEL, engine_versions(), list(commands), int(n), *([int(start)] if start else [])])
 
 
-def planner_labels(trajectories: list[tuple[str, Game, list[str | None]]], backend, cache: ReplayCache | None,
-                   n: int, on_done=None) -> dict[str, Replay]:
+def planner_labels(trajectories: list[tuple], backend, cache: ReplayCache | None, n: int, on_done=None) -> dict[str, Replay]:
     """Each trajectory's labelled record by its id: from `cache` (`<cache>/planner/`), else labelled on
     `backend`'s workers (pool op "planner", one trajectory a request) and cached. `trajectories`:
-    (id, game, commands); `on_done(k)`: k more are done."""
-    games, commands = [], {}
-    for tid, game, cmds in trajectories:
+    (id, game, commands[, the first step that may be labelled]); `on_done(k)`: k more are done."""
+    games, args = [], {}
+    for tid, game, cmds, *start in trajectories:
         games.append(dataclasses.replace(game, game_id=tid))  # `played` keys its records by game id
-        commands[tid] = list(cmds)
-    records, _ = played(games, backend, cache, "planner", lambda g: labels_key(g, commands[g.game_id], n),
-                        lambda g: (g, commands[g.game_id], n), on_done)
+        args[tid] = (list(cmds), n, int(start[0]) if start else 0)
+    records, _ = played(games, backend, cache, "planner", lambda g: labels_key(g, *args[g.game_id]),
+                        lambda g: (g, *args[g.game_id]), on_done)
     return records
+
+
+def object_seen_at(game: Game, initial_observation: str, observations: list[str]) -> int | None:
+    """The first step whose state has seen the task's object (the initial observation, or what an
+    earlier step answered, names an instance of it: "apple 1"); None: the trajectory never saw it."""
+    from agentrl.env.expert import task_params
+
+    name = task_params(game)["object_target"]
+    seen = re.compile(rf"\b{re.escape(name)} \d+\b", re.IGNORECASE)
+    for t, text in enumerate([initial_observation, *observations]):
+        if seen.search(text or ""):
+            return t
+    return None
 
 
 __all__ = ["LABEL", "PLANNER_DIRNAME", "label_commands", "plan_from", "planner_labels", "spread"]

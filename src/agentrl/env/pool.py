@@ -99,10 +99,10 @@ def play_expert(game, max_steps: int, seed: int):
     return play_handcoded(game, max_steps, seed)
 
 
-def label_states(game, commands, n: int):
+def label_states(game, commands, n: int, start: int = 0):
     from agentrl.env.planner import label_commands  # the engine's planner: imported where it plans
 
-    return label_commands(game, commands, n)
+    return label_commands(game, commands, n, start)
 
 
 ONE_OFF = ("replay", "expert", "planner")  # ops whose env is opened and closed within the request

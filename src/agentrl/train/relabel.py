@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.env import EnvsOnDemand, find_games
-from agentrl.env.planner import LABEL, PLANNER_DIRNAME, planner_labels
+from agentrl.env.planner import LABEL, PLANNER_DIRNAME, object_seen_at, planner_labels
 from agentrl.env.replay import ReplayCache
 from agentrl.errors import UserError
 from agentrl.io import read_jsonl_numbered
@@ -44,12 +44,14 @@ class Relabelled:
     sequences: list[tuple[str, str, list[int], list[int]]] = field(default_factory=list)
     trajectories: int = 0  # read
     labelled: int = 0  # trajectories with a labelled state (the others kept to the planner's plan, or were skipped)
+    unseen: int = 0  # relabel_from seen: trajectories that never saw the task's object (nothing to label)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (trajectory id, why)
     files: list[dict] = field(default_factory=list)  # {"path", "sha256"}
 
     def summary(self) -> dict:
         return {"relabel": [d["path"] for d in self.files], "trajectories": self.trajectories, "labelled": self.labelled,
-                "states": len(self.sequences), "skipped": len(self.skipped)}
+                "states": len(self.sequences), "skipped": len(self.skipped),
+                **({"never_saw_the_object": self.unseen} if self.unseen else {})}
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Trajectory:
     reply_starts: list[int]
     commands: list[str | None]
     observations: list[str]
+    start: int | None = 0  # the first step that may be labelled (None: none may)
 
 
 def read_trajectories(paths: list[Path], cfg, tokenizer, out: Relabelled) -> list[_Trajectory]:
@@ -92,9 +95,12 @@ def read_trajectories(paths: list[Path], cfg, tokenizer, out: Relabelled) -> lis
             check_tokenizer(rec, ids, tokenizer, where)
             steps = rec["step_records"]
             out.trajectories += 1
+            observations = [s.get("observation", "") for s in steps]
+            start = (0 if cfg.sft.relabel_from == "start"
+                     else object_seen_at(game, rec.get("initial_observation", ""), observations))
             found.append(_Trajectory(f"{rec['task_id']}#{rec.get('trajectory', 0)}@{len(out.files) - 1}:{line}", game,
                                      str(rec.get("task_type", "")), ids, [int(x) for x in rec["reply_starts"]],
-                                     [s.get("command") for s in steps], [s.get("observation", "") for s in steps]))
+                                     [s.get("command") for s in steps], observations, start))
     return found
 
 
@@ -103,12 +109,14 @@ def relabelled_states(paths: list[Path], cfg, tokenizer, cache_dir: Path, on_pha
     Labels come from `<cache>/planner/` or the env workers (`cfg.env`); `on_phase(name, total)`,
     `on_done(k)`: progress."""
     out = Relabelled()
-    trajectories = read_trajectories(paths, cfg, tokenizer, out)
+    read = read_trajectories(paths, cfg, tokenizer, out)
+    trajectories = [t for t in read if t.start is not None]
+    out.unseen = len(read) - len(trajectories)
     if on_phase is not None:
         on_phase("planner", len(trajectories))
     envs = EnvsOnDemand(cfg)
     try:
-        records = planner_labels([(t.tid, t.game, t.commands) for t in trajectories], envs,
+        records = planner_labels([(t.tid, t.game, t.commands, t.start) for t in trajectories], envs,
                                  ReplayCache(cache_dir / PLANNER_DIRNAME), cfg.sft.relabel_states, on_done)
     finally:
         envs.shutdown()

@@ -66,7 +66,8 @@ def recipe(cfg: Config, sources: list[dict] | None = None, relabel: list[str] | 
             "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {}),
             # DAgger's data and where training begins, named only where used: earlier warm starts keep their recipe
-            **({"relabel": {"files": relabel, "states": cfg.sft.relabel_states}} if relabel else {}),
+            **({"relabel": {"files": relabel, "states": cfg.sft.relabel_states, "from": cfg.sft.relabel_from}}
+               if relabel else {}),
             **({"init_adapter": adapter_digest(cfg.sft.init_adapter)} if cfg.sft.init_adapter else {})})
 
 
@@ -145,7 +146,7 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
 
 
 # sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
-NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "init_adapter")
+NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "relabel_from", "init_adapter")
 
 
 def partial_dir(out: Path) -> Path:
