@@ -304,7 +304,6 @@ def sft_cmd(
     if sources and relabel:
         raise UserError("--from and --relabel make different data sets (won rollouts in place of the walkthroughs; "
                         "labelled states added to them): use one")
-    sft_plan.check_init_adapter(cfg)
     if reuse and (record := sft_plan.reusable(cfg, out, sources, relabel)):
         console.print(f"{out} already holds this warm start ({record['sft']['examples']} examples, "
                       f"{record['sft']['epochs']} epochs, held-out NLL {record['heldout_nll']['after'] or float('nan'):.3f}); reusing it")

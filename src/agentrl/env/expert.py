@@ -26,7 +26,7 @@ from pathlib import Path
 
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
-from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, replay_key
+from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, recorded_step, replay_key
 
 EXPERT_VERSION = 1  # bump when how the expert is played changes (a new key for every game)
 EXPERT_DIRNAME = "expert"  # under the cache root, beside replay/ and sft-data/
@@ -73,8 +73,7 @@ def play_handcoded(game: Game, max_steps: int, seed: int) -> Replay:
         command = "look"
         for _ in range(max_steps):
             r = env.step(command)
-            record.steps.append({"command": command, "observation": r.observation, "admissible": list(r.admissible),
-                                 "won": r.won, "done": r.done})
+            record.steps.append(recorded_step(command, r))
             if r.done:
                 break
             try:

@@ -30,7 +30,7 @@ import re
 
 from agentrl.env.alfworld import AlfworldEnv
 from agentrl.env.data import Game
-from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played
+from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, recorded_step
 
 PLANNER_VERSION = 1  # bump when how states are chosen or labelled changes (a new key for every trajectory)
 PLANNER_DIRNAME = "planner"  # under the cache root, beside replay/ and expert/
@@ -84,8 +84,7 @@ def label_commands(game: Game, commands: list[str | None], n: int, start: int = 
                 if departed is None:
                     departed, chosen = t, set(spread(t, len(commands), n))
             r = env.step(command)
-            step = {"command": command, "observation": r.observation, "admissible": list(r.admissible),
-                    "won": r.won, "done": r.done}
+            step = recorded_step(command, r)
             if label is not None:
                 step[LABEL], labels = label, labels + 1
             record.steps.append(step)

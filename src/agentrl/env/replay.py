@@ -79,8 +79,7 @@ def replay_game(make_env, game: Game, fuzzy_threshold: float) -> Replay:
         for cmd in game.walkthrough:
             command, _ = map_action(parse_action(reply_text(cmd, "action")), admissible, fuzzy_threshold)
             r = env.step(command)
-            record.steps.append({"command": command, "observation": r.observation, "admissible": list(r.admissible),
-                                 "won": r.won, "done": r.done})
+            record.steps.append(recorded_step(command, r))
             admissible = r.admissible
             if r.done:
                 break
@@ -88,6 +87,11 @@ def replay_game(make_env, game: Game, fuzzy_threshold: float) -> Replay:
         return record
     finally:
         env.close()
+
+
+def recorded_step(command: str | None, r: StepResult) -> dict:
+    """A record's step: the command sent and what the engine answered."""
+    return {"command": command, "observation": r.observation, "admissible": list(r.admissible), "won": r.won, "done": r.done}
 
 
 class RecordedEnv:

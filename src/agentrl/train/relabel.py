@@ -20,7 +20,6 @@ observations it recorded, else it is skipped (another game file or engine), coun
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +27,8 @@ from agentrl.env import EnvsOnDemand, find_games
 from agentrl.env.planner import LABEL, PLANNER_DIRNAME, object_seen_at, planner_labels
 from agentrl.env.replay import ReplayCache
 from agentrl.errors import UserError
-from agentrl.io import read_jsonl_numbered
 from agentrl.prompt import ChatRenderer, reply_text
-from agentrl.train.rft import _record, check_tokenizer
-from agentrl.train.sft_plan import rollout_file
+from agentrl.train.rft import check_tokenizer, trajectory_records
 
 HELD_OUT = ("valid_seen", "valid_unseen", "valid_train")  # evaluation and checkpoint-choice splits: never taught
 NEEDED = ("task_id", "split", "reply_starts", "step_records")
@@ -73,34 +70,29 @@ def read_trajectories(paths: list[Path], cfg, tokenizer, out: Relabelled) -> lis
                         "exact context the policy replied to")
     games: dict[str, dict] = {}
     found = []
-    for path in paths:
-        f = rollout_file(path)
-        out.files.append({"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()})
-        for line, rec in read_jsonl_numbered(f, bad="not a JSON line (expected trajectories.jsonl from `agentrl rollout`)"):
-            where = f"{f}:{line}"
-            ids, _ = _record(rec, where)
-            if any(k not in rec for k in NEEDED):
-                raise UserError(f"{where}: not a trajectory record (needs {', '.join(NEEDED)}: trajectories.jsonl "
-                                "from `agentrl rollout`)")
-            split = str(rec["split"])
-            if split in HELD_OUT:
-                raise UserError(f"{where}: a {split} trajectory: --relabel teaches the planner's commands in its "
-                                "games, and held-out games are never taught (roll out on the train split)")
-            if split not in games:
-                games[split] = {g.game_id: g for g in find_games(cfg.env.kind, split, cfg.data.root)}
-            game = games[split].get(rec["task_id"])
-            if game is None:
-                raise UserError(f"{where}: game {rec['task_id']} is not in the {split} split of "
-                                f"{cfg.data.root or '$ALFWORLD_DATA'}: point --data at the games it was rolled out on")
-            check_tokenizer(rec, ids, tokenizer, where)
-            steps = rec["step_records"]
-            out.trajectories += 1
-            observations = [s.get("observation", "") for s in steps]
-            start = (0 if cfg.sft.relabel_from == "start"
-                     else object_seen_at(game, rec.get("initial_observation", ""), observations))
-            found.append(_Trajectory(f"{rec['task_id']}#{rec.get('trajectory', 0)}@{len(out.files) - 1}:{line}", game,
-                                     str(rec.get("task_type", "")), ids, [int(x) for x in rec["reply_starts"]],
-                                     [s.get("command") for s in steps], observations, start))
+    for line, where, rec, ids, _ in trajectory_records(paths, out.files):
+        if any(k not in rec for k in NEEDED):
+            raise UserError(f"{where}: not a trajectory record (needs {', '.join(NEEDED)}: trajectories.jsonl "
+                            "from `agentrl rollout`)")
+        split = str(rec["split"])
+        if split in HELD_OUT:
+            raise UserError(f"{where}: a {split} trajectory: --relabel teaches the planner's commands in its "
+                            "games, and held-out games are never taught (roll out on the train split)")
+        if split not in games:
+            games[split] = {g.game_id: g for g in find_games(cfg.env.kind, split, cfg.data.root)}
+        game = games[split].get(rec["task_id"])
+        if game is None:
+            raise UserError(f"{where}: game {rec['task_id']} is not in the {split} split of "
+                            f"{cfg.data.root or '$ALFWORLD_DATA'}: point --data at the games it was rolled out on")
+        check_tokenizer(rec, ids, tokenizer, where)
+        steps = rec["step_records"]
+        out.trajectories += 1
+        observations = [s.get("observation", "") for s in steps]
+        start = (0 if cfg.sft.relabel_from == "start"
+                 else object_seen_at(game, rec.get("initial_observation", ""), observations))
+        found.append(_Trajectory(f"{rec['task_id']}#{rec.get('trajectory', 0)}@{len(out.files) - 1}:{line}", game,
+                                 str(rec.get("task_type", "")), ids, [int(x) for x in rec["reply_starts"]],
+                                 [s.get("command") for s in steps], observations, start))
     return found
 
 

@@ -52,24 +52,31 @@ def check_tokenizer(rec: dict, ids: list[int], tokenizer, where: str) -> None:
                             f"{step['response'].strip()[:40]!r}: the trajectories were sampled with another tokenizer")
 
 
+def trajectory_records(paths, files: list[dict]):
+    """Each record of `paths` (trajectories.jsonl files or rollout directories) as (its line, where
+    it is, the record, its token ids, its action mask); each file goes into `files` ({"path",
+    "sha256"}: what an adapter was made from) as it is opened."""
+    for path in paths:
+        f = rollout_file(path)
+        files.append({"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()})
+        for line, rec in read_jsonl_numbered(f, bad="not a JSON line (expected trajectories.jsonl from `agentrl rollout`)"):
+            where = f"{f}:{line}"
+            yield line, where, rec, *_record(rec, where)
+
+
 def won_rollouts(paths, tokenizer, history: int = 0) -> WonRollouts:
     """The won trajectories of `paths` (files or rollout directories) as training sequences."""
     out = WonRollouts()
-    for path in paths:
-        f = rollout_file(path)
-        out.files.append({"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()})
-        for line, rec in read_jsonl_numbered(f, bad="not a JSON line (expected trajectories.jsonl from `agentrl rollout`)"):
-            where = f"{f}:{line}"
-            ids, mask = _record(rec, where)
-            out.trajectories += 1
-            if rec["won"] is not True:
-                continue
-            check_tokenizer(rec, ids, tokenizer, where)
-            out.won += 1
-            view = _View(ids, mask, [int(x) for x in rec.get("reply_starts") or []], [int(x) for x in rec.get("step_tokens") or []])
-            example_id = f"{rec['task_id']}#{rec.get('trajectory', 0)}@{len(out.files) - 1}:{line}"
-            out.sequences += [(example_id, str(rec.get("task_type", "")), s_ids, s_mask)
-                              for s_ids, s_mask, _ in step_sequences(view, history) if sum(s_mask)]
+    for line, where, rec, ids, mask in trajectory_records(paths, out.files):
+        out.trajectories += 1
+        if rec["won"] is not True:
+            continue
+        check_tokenizer(rec, ids, tokenizer, where)
+        out.won += 1
+        view = _View(ids, mask, [int(x) for x in rec.get("reply_starts") or []], [int(x) for x in rec.get("step_tokens") or []])
+        example_id = f"{rec['task_id']}#{rec.get('trajectory', 0)}@{len(out.files) - 1}:{line}"
+        out.sequences += [(example_id, str(rec.get("task_type", "")), s_ids, s_mask)
+                          for s_ids, s_mask, _ in step_sequences(view, history) if sum(s_mask)]
     if not out.won:
         raise UserError(f"--from: no won trajectory in {', '.join(d['path'] for d in out.files)} "
                         f"({out.trajectories} trajectories): nothing to clone")

@@ -463,7 +463,7 @@ def relabelled(cfg: Config, relabel: list[Path], tokenizer, cache_dir: Path | No
     dagger = relabelled_states(relabel, cfg, tokenizer, cache_dir.parent, on_phase=hooks.phase, on_done=hooks.advance)
     warn_skipped(dagger.skipped, "trajectory", "trajectories")
     log.info("relabelled %d states of %d trajectories (%d kept to the planner's plan; %d skipped)", len(dagger.sequences),
-             dagger.trajectories, dagger.trajectories - dagger.labelled - len(dagger.skipped), len(dagger.skipped))
+             dagger.trajectories, dagger.trajectories - dagger.unseen - dagger.labelled - len(dagger.skipped), len(dagger.skipped))
     if not dagger.sequences:
         raise UserError(f"--relabel: no state of the {dagger.trajectories} trajectories was labelled (each kept to the "
                         "planner's plan, or was skipped): nothing to add")

@@ -102,7 +102,7 @@ def reusable(cfg: Config, out: Path, sources: list[Path] | None = None, relabel:
 
 def relabel_digests(paths: list[Path] | None) -> list[str] | None:
     """`--relabel`'s files as the recipe names them (their contents' digests); None without it."""
-    return [hashlib.sha256(rollout_file(p).read_bytes()).hexdigest() for p in paths] if paths else None
+    return [d["sha256"] for d in source_digests(paths)] if paths else None
 
 
 def check_init_adapter(cfg: Config) -> None:
