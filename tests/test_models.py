@@ -97,6 +97,8 @@ def test_what_records_a_dtype_records_it_resolved(monkeypatch, data_root):
     full = load_config(None, {"model.dtype": "bf16-if-native", "learner.lora_r": 0})
     assert "dtype" not in recipe(full)
     assert vllm_dtype("auto") == "bfloat16" and vllm_dtype("float16") == "float16"
+    # vLLM's CPU build: as the hf backend resolves it on this CPU (fp32 for auto)
+    assert vllm_dtype("auto", "cpu") == "float32" and vllm_dtype("bf16-if-native", "cpu") == "bfloat16"
 
 
 def test_an_unknown_dtype_is_refused_in_one_line():

