@@ -89,22 +89,27 @@ def test_a_worker_killed_mid_rollout_ends_only_its_trajectories(games):
     assert "died" in rollout.trajectories[0].error and len(rollout.trajectories[0].steps) in (1, 2)
 
 
-@pytest.mark.parametrize("static", ["off", "on"])
-def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny_model, tokenizer, static):
+@pytest.mark.parametrize("static, action_space", [("off", "free"), ("on", "free"), ("off", "admissible")])
+def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny_model, tokenizer, static, action_space):
     """With a pool, the sampler's generate calls for one wave happen while the other wave's step
     is still with the workers, and the trajectories (tokens, actions, observations) are the
     ones of an in-process rollout with the same seeds; also with the captured step's engine
     (static decode, prefill at bucketed shapes: CUDA's defaults, run eagerly here), whose two
-    waves decode from two spans of the store that holds still."""
+    waves decode from two spans of the store that holds still. Admissible actions make every
+    reply end with the end-of-turn token (a command's last), whatever the model samples: the
+    other wave's step must not forget that, or the turn is closed twice (found 2026-12-06 by
+    the first vLLM rollouts, where env.overlap is on by default)."""
     from agentrl.rollout import ModelPolicy, run_lockstep
     from agentrl.sampling.base import SamplingParams
     from agentrl.sampling.hf import HFSampler
 
     sample = [games[t] for t in ("pick_and_place_simple", "look_at_obj_in_light", "pick_heat_then_place_in_recep")]
-    params = SamplingParams(1.0, 1.0, 8)
+    params = SamplingParams(1.0, 1.0, 8 if action_space == "free" else 32)
+    reply = "react" if action_space == "free" else "action"
 
     def rollout(envs=None, in_flight=None):
-        policy = ModelPolicy(HFSampler(tiny_model, tokenizer, static_decode=static, prefill_buckets=static), params, seed=3)
+        policy = ModelPolicy(HFSampler(tiny_model, tokenizer, static_decode=static, prefill_buckets=static), params, seed=3,
+                             reply=reply, action_space=action_space)
         if in_flight is not None:
             act = policy.act
 
@@ -120,6 +125,8 @@ def test_overlap_generates_one_wave_while_the_workers_step_the_other(games, tiny
     in_flight: list[int] = []
     with EnvPool(workers=2) as pool:
         pooled = rollout(pool, in_flight)
+    if action_space == "admissible":  # every reply stopped: none was cut and closed by the renderer
+        assert all(not t.cut_steps and len(t.step_tokens) == 3 for t in local.trajectories)
     assert [t.token_ids for t in pooled.trajectories] == [t.token_ids for t in local.trajectories]
     assert [t.steps for t in pooled.trajectories] == [t.steps for t in local.trajectories]
     assert len(in_flight) == 6  # two waves x three steps

@@ -119,7 +119,8 @@ class ModelPolicy:
         if len(completions) != len(trajs):
             raise RuntimeError(f"the sampler returned {len(completions)} completions for {len(trajs)} prompts")
         completions = [self._bounded(c) for c in completions]
-        self._stopped = {}  # only this step's replies are closed by observe()
+        # observe() pops each entry: with env.overlap the other wave acts between this act() and this
+        # wave's observe(), so its entries are kept, not reset (a reset closed their turns twice)
         texts = []
         for t, c, con in zip(trajs, completions, constraints):
             if self.constrained:  # per action token, the ids it was drawn among ([]: drawn freely)
