@@ -105,3 +105,21 @@ def rows(prompts, seeds=None, keys=None) -> list[GenRequest]:
     """GenRequests of parallel lists (tests written row-wise read shorter this way)."""
     return [GenRequest(p, seed=None if seeds is None else seeds[i], key=None if keys is None else keys[i])
             for i, p in enumerate(prompts)]
+
+
+def lora_adapters(model, root, seeds=(1, 2)) -> list[str]:
+    """Real PEFT LoRA adapters (r=4 on q,v; B non-zero, so each changes outputs) for `model`, one
+    per seed, saved as the learner saves them under `root`/v{seed}."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    paths = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                    init_lora_weights=False))
+        peft_model.save_pretrained(root / f"v{seed}")
+        paths.append(str(root / f"v{seed}"))
+    return paths

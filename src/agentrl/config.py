@@ -516,9 +516,6 @@ def _check_sampling(c: Config) -> Checks:
          f"sampling.loop_guard must be a cycle length >= 0 (0: off), got {s.loop_guard!r}"),
         (not s.loop_guard or s.action_space == "admissible",
          "sampling.loop_guard needs sampling.action_space admissible (it narrows the step's admissible commands)"),
-        (s.action_space != "admissible" or s.backend == "hf",
-         "sampling.action_space admissible needs the hf sampler: agentrl does not constrain vLLM's decoding yet "
-         "(docs/training.md#admissible-actions)"),
         (s.action_space != "admissible" or c.prompt.reply != "react",
          "sampling.action_space admissible needs prompt.reply action (replies `Action: <command>`): "
          "a react reply's thought is free text"),

@@ -101,10 +101,13 @@ class VLLMSampler:
         stop_ids: set[int] | None = None,
         max_model_len: int | None = None,
         sleep_mode: bool = False,
+        constraints: bool = False,
     ):
         """`llm`: a built `vllm.LLM` (or a stand-in with the same `generate`). `max_lora_rank` and
         `target_modules` are what the engine was started for: adapters beyond them are refused.
-        `sleep_mode`: the engine was started with `enable_sleep_mode` (colocated with the learner)."""
+        `sleep_mode`: the engine was started with `enable_sleep_mode` (colocated with the learner).
+        `constraints`: the engine was started with vllm_admissible's logits processor, so requests
+        may carry a CommandSet (the admissible action space)."""
         self.llm = llm
         self.tokenizer = tokenizer
         self.max_lora_rank = max_lora_rank
@@ -112,6 +115,7 @@ class VLLMSampler:
         self.stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
         self.max_model_len = max_model_len
         self.sleep_mode = sleep_mode
+        self.constraints = constraints
         self.asleep = False
         self.adapter_version: int | None = None
         self.effect_checked = False  # a non-zero adapter was seen to change log-probs
@@ -175,6 +179,12 @@ class VLLMSampler:
             # its model worker otherwise leaves one core to this process, which only waits on it in
             # lockstep (2 cores: half the speed, measured); the engine process reads it at its start
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        constraints = cfg.sampling.action_space == "admissible"
+        if constraints:
+            check_constraints_supported(vllm, engine_fields)
+            from agentrl.sampling.vllm_admissible import AdmissibleCommands
+
+            kwargs["logits_processors"] = [AdmissibleCommands]
         index = cuda_index(cfg.model.device)
         if index is not None and "device_ids" in engine_fields:
             kwargs["device_ids"] = [index]
@@ -198,7 +208,8 @@ class VLLMSampler:
             pass
         stop_ids = stop_token_ids(tokenizer, types.SimpleNamespace(generation_config=generation_config))
         return cls(llm, tokenizer, max_lora_rank=rank, target_modules=cfg.learner.target_modules,
-                   adapter=cfg.model.adapter, stop_ids=stop_ids, max_model_len=max_len, sleep_mode=sleep_mode)
+                   adapter=cfg.model.adapter, stop_ids=stop_ids, max_model_len=max_len, sleep_mode=sleep_mode,
+                   constraints=constraints)
 
     # ---------------------------------------------------------------- memory
 
@@ -325,7 +336,10 @@ class VLLMSampler:
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
         """The Sampler contract (base.py). Keys are ignored: vLLM's automatic prefix caching reuses the
         KV cache of any shared prefix (within one adapter version)."""
-        check_requests(requests)
+        check_requests(requests, constraints=self.constraints)
+        for r in requests:
+            if r.constraint is not None:
+                r.constraint.check_stops(self.stop_ids)
         if not requests:
             return []
         prompts = [list(r.prompt_ids) for r in requests]
@@ -348,25 +362,46 @@ class VLLMSampler:
                 top_p=1.0 if params.greedy else params.top_p,
                 max_tokens=params.max_new_tokens,
                 seed=None if r.seed is None else int(r.seed),
-                logprobs=0,  # the sampled token's log-prob only
                 stop_token_ids=stop,
                 skip_special_tokens=True,
                 detokenize=False,  # we decode with our tokenizer, exactly like the hf backend
+                **self._constraint_args(r.constraint),
             )
             for r in requests
         ]
         outputs = self.llm.generate(engine_prompts, sampling, lora_request=self._lora, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        return [self._completion(p, out) for p, out in zip(prompts, outputs)]
+        return [self._completion(p, out, r.constraint) for p, out, r in zip(prompts, outputs, requests)]
 
-    def _completion(self, prompt: list[int], output) -> Completion:
+    @staticmethod
+    def _constraint_args(constraint) -> dict:
+        """A free row asks for its sampled token's raw log-prob; a constrained one carries its commands
+        to the logits processor and asks for the raw log-probs of every id they hold, over which its
+        own are renormalised (vllm_admissible.py): vLLM returns at most 128 such ids a request, and
+        past that every id of the vocabulary (exact, dearer)."""
+        if constraint is None:
+            return {"logprobs": 0}  # the sampled token's log-prob only
+        from agentrl.sampling.vllm_admissible import EXTRA_ARG, MAX_LOGPROB_TOKEN_IDS, command_token_ids
+
+        commands = [list(c) for c in constraint.commands]
+        ids = command_token_ids(commands)
+        scored = {"logprob_token_ids": ids} if len(ids) <= MAX_LOGPROB_TOKEN_IDS else {"logprobs": -1}
+        return {"extra_args": {EXTRA_ARG: commands}, **scored}
+
+    def _completion(self, prompt: list[int], output, constraint=None) -> Completion:
         o = output.outputs[0]
         ids = [int(t) for t in o.token_ids]
         if o.logprobs is None or len(o.logprobs) != len(ids):
             raise RuntimeError(f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} log-probs "
                                f"for {len(ids)} tokens")
-        logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
+        if constraint is None:
+            logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs, ids)]
+        else:
+            from agentrl.sampling.vllm_admissible import renormalised
+
+            raw = [{int(k): float(v.logprob) for k, v in step.items()} for step in o.logprobs]
+            logprobs = renormalised(ids, raw, constraint.allowed_along(ids))
         if o.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason {o.finish_reason!r}")
         return Completion(
@@ -394,6 +429,17 @@ def adapter_is_nonzero(path: Path) -> bool:
         weights = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
         return any(bool(v.any()) for k, v in weights.items() if "lora_B" in k)
     return False  # no weights to load (vLLM's own load would fail first)
+
+
+def check_constraints_supported(vllm, engine_fields: set[str]) -> None:
+    """The admissible action space needs vLLM's V1 logits processors and per-request logprob_token_ids."""
+    params = getattr(vllm, "SamplingParams", None)
+    fields = set(getattr(params, "__dataclass_fields__", {}) or getattr(params, "__struct_fields__", ()) or ())
+    missing = [name for name, ok in (("EngineArgs.logits_processors", "logits_processors" in engine_fields),
+                                     ("SamplingParams.logprob_token_ids", "logprob_token_ids" in fields)) if not ok]
+    if missing:
+        raise UserError(f"sampling.action_space admissible with --sampler vllm needs {' and '.join(missing)}, "
+                        f"which vLLM {getattr(vllm, '__version__', '?')} lacks; use --sampler hf")
 
 
 def vllm_dtype(dtype: str, platform: str = "cuda") -> str:
