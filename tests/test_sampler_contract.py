@@ -158,7 +158,9 @@ def real_engine(head64_model, tokenizer, tmp_path_factory):
     cfg = load_config(overrides={"sampling.backend": "vllm", "model.name": str(model_dir), "model.dtype": "float32",
                                  "learner.lora_r": 8, "learner.target_modules": LearnerConfig().target_modules,
                                  "sampling.kv_budget_gb": 0.25, "sampling.max_model_len": 512})
-    return VLLMSampler.from_config(cfg).llm
+    owner = VLLMSampler.from_config(cfg)  # each test wraps the engine in a sampler of its own, which leaves it up
+    yield owner.llm
+    owner.close()
 
 
 @pytest.fixture

@@ -47,8 +47,10 @@ def cfg(model_dir):
 
 @pytest.fixture(scope="module")
 def sampler(cfg):
-    """Started as `agentrl train` starts it beside its learner (colocated)."""
-    return VLLMSampler.from_config(cfg, colocated=True)
+    """Started as `agentrl train` starts it beside its learner (colocated); shut down after the module."""
+    sampler = VLLMSampler.from_config(cfg, colocated=True)
+    yield sampler
+    sampler.close()
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +202,23 @@ def test_a_reply_cut_at_max_new_tokens_keeps_its_prefix_of_a_command(sampler, to
                          SamplingParams(temperature=1.0, max_new_tokens=3))[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 3
     assert any(cmd[:3] == tuple(c.token_ids) for cmd in cs.commands)
+
+
+def test_close_shuts_down_the_engine_it_started_and_leaves_a_borrowed_one_up(cfg, sampler, prompts):
+    """V1's engine core runs in a process of its own. Before close() shut it down, it lived until
+    the interpreter exited, and vLLM's finalizer then killed it, logging into closed streams."""
+    psutil = pytest.importorskip("psutil")  # one of vLLM's own requirements
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    own = VLLMSampler.from_config(cfg)
+    started = [p for p in me.children(recursive=True) if p.pid not in before]
+    assert started, "the engine core was expected in a process of its own"
+    borrowed = VLLMSampler(sampler.llm, sampler.tokenizer)
+    borrowed.close()  # an engine passed in is the caller's: it stays up
+    assert sampler.generate(rows(prompts[:1]), SamplingParams(max_new_tokens=2, temperature=0.0))[0].token_ids
+    own.close()
+    own.close()  # twice is safe
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive
+    with pytest.raises(RuntimeError, match="closed"):
+        own.generate(rows(prompts[:1]), SamplingParams(max_new_tokens=2))

@@ -80,6 +80,9 @@ def vllm_platform():
         return None
 
 
+ENGINE_SHUTDOWN_S = 60.0  # how long close() lets the engine core exit by itself
+
+
 class VLLMSampler:
     def __init__(
         self,
@@ -92,13 +95,16 @@ class VLLMSampler:
         max_model_len: int | None = None,
         sleep_mode: bool = False,
         constraints: bool = False,
+        owns_engine: bool = False,
     ):
         """`llm`: a built `vllm.LLM` (or a stand-in with the same `generate`). `max_lora_rank` and
         `target_modules` are what the engine was started for: adapters beyond them are refused.
         `sleep_mode`: the engine was started with `enable_sleep_mode` (colocated with the learner).
         `constraints`: the engine was started with vllm_admissible's logits processor, so requests
-        may carry a CommandSet (the admissible action space)."""
+        may carry a CommandSet (the admissible action space). `owns_engine`: close() shuts the
+        engine down (from_config's engines); an engine passed in stays the caller's."""
         self.llm = llm
+        self.owns_engine = owns_engine
         self.tokenizer = tokenizer
         self.max_lora_rank = max_lora_rank
         self.target_modules = list(target_modules) if target_modules is not None else None
@@ -121,7 +127,25 @@ class VLLMSampler:
         return None
 
     def close(self) -> None:
-        """The engine is freed with the sampler."""
+        """Shut down the engine this sampler started. vLLM's V1 engine core runs in a process of
+        its own, holding the GPU (or the CPU build's KV memory) until it goes; left to vLLM's
+        finalizer at interpreter exit, it is killed and logs into closed streams. An engine passed
+        in (owns_engine False) stays up. Safe to call twice; generate after close is refused."""
+        llm, self.llm = self.llm, None
+        if llm is None or not self.owns_engine:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)  # EngineCoreClient.shutdown (V1); absent on stand-ins
+        if not callable(shutdown):
+            return
+        import inspect
+
+        # vLLM's default gives the engine core 5 s after SIGTERM, then kills it (and says so): its
+        # workers alone took 4 s to exit on a busy 2-core machine
+        if "timeout" in inspect.signature(shutdown).parameters:
+            shutdown(timeout=ENGINE_SHUTDOWN_S)
+        else:
+            shutdown()
 
     @classmethod
     def from_config(cls, cfg, colocated: bool = False) -> "VLLMSampler":
@@ -201,7 +225,7 @@ class VLLMSampler:
         stop_ids = stop_token_ids(tokenizer, types.SimpleNamespace(generation_config=generation_config))
         return cls(llm, tokenizer, max_lora_rank=rank, target_modules=cfg.learner.target_modules,
                    adapter=cfg.model.adapter, stop_ids=stop_ids, max_model_len=max_len, sleep_mode=sleep_mode,
-                   constraints=constraints)
+                   constraints=constraints, owns_engine=True)
 
     # ---------------------------------------------------------------- memory
 
@@ -222,7 +246,7 @@ class VLLMSampler:
     def sleep(self) -> None:
         """Give the GPU back while a colocated learner updates (level 1: weights to CPU memory, KV
         cache dropped, which a new adapter makes stale anyway). No-op without sleep mode."""
-        if self.sleep_mode and not self.asleep:
+        if self.sleep_mode and not self.asleep and self.llm is not None:
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -328,6 +352,8 @@ class VLLMSampler:
     def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
         """The Sampler contract (base.py). Keys are ignored: vLLM's automatic prefix caching reuses the
         KV cache of any shared prefix (within one adapter version)."""
+        if self.llm is None:
+            raise RuntimeError("this vLLM sampler was closed: its engine is shut down")
         check_requests(requests, constraints=self.constraints)
         for r in requests:
             if r.constraint is not None:
