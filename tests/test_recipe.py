@@ -305,6 +305,48 @@ def test_sft_from_trains_on_exactly_the_won_trajectories_action_tokens(tmp_path,
     assert sft.reusable(cfg, out, [tmp_path / "r1", tmp_path / "r2"]) is None  # other contents: built again
 
 
+def test_sft_from_walkthroughs_trains_the_wins_beside_the_first_walkthroughs(tmp_path, tiny_actor_dir, tokenizer,
+                                                                          data_root, monkeypatch):
+    """RFT's usual data set (the demonstrations and the wins): sft.from_walkthroughs N adds the
+    round robin's first N walkthroughs, each once an epoch, and is part of the recipe."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.config import load_config
+    from agentrl.train import sft
+
+    records = [rollout_record(tokenizer, "put a mug", 0, ["Action: go to desk 1", "Action: take mug 1"], True),
+               rollout_record(tokenizer, "put a mug", 1, ["Action: look"], False)]
+    write_rollout(tmp_path / "r1", records)
+    trained, real = [], sft.masked_nll_sum
+
+    def spy(model, batch, masks):
+        for (r, s, n), m in zip(batch.spans, masks):
+            trained.append((batch.input_ids[r, s : s + n].tolist(), list(m)))
+        return real(model, batch, masks)
+
+    monkeypatch.setattr(sft, "masked_nll_sum", spy)
+    cfg = sft.sft_prompt(load_config(None, {
+        "model.name": str(tiny_actor_dir), "data.root": str(data_root), "learner.lora_r": 4, "learner.lora_alpha": 8,
+        "learner.target_modules": ["q_proj", "v_proj"], "sft.heldout_games": 0, "sft.epochs": 1, "sft.lr": 1e-2,
+        "sft.games": 5, "sft.from_walkthroughs": 2}))
+    out = tmp_path / "rft"
+    summary = sft.run_sft(cfg, out, model=AutoModelForCausalLM.from_pretrained(tiny_actor_dir), tokenizer=tokenizer,
+                          cache_dir=tmp_path / "sft-data", sources=[tmp_path / "r1"])
+    walkthroughs = sft.replay(cfg, sft.select_games(cfg, "train", 2), [], tokenizer, tmp_path / "sft-data", sft.SftHooks())[0]
+    expected = [(records[0]["token_ids"], records[0]["action_mask"])]
+    expected += [(e.token_ids, list(e.action_mask)) for e in walkthroughs.examples]
+    assert len(walkthroughs.examples) == 2  # (sft.games is not what --from reads)
+    assert sorted(trained) == sorted(expected)
+    assert summary["sft"]["won"] == 1 and summary["sft"]["walkthroughs"] == 2 and summary["sft"]["examples"] == 3
+    assert summary["recipe"]["from_walkthroughs"] == 2
+    assert sft.reusable(cfg, out, [tmp_path / "r1"]) is not None
+    alone = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, from_walkthroughs=0))
+    assert "from_walkthroughs" not in sft.recipe(alone, [{"sha256": "x"}])  # wins alone: the recipe as before the option
+    assert sft.reusable(alone, out, [tmp_path / "r1"]) is None  # another data set: built again
+
+
 def test_sft_from_refuses_no_wins_and_another_tokenizer_in_one_line(tmp_path, tokenizer):
     from agentrl.errors import UserError
     from agentrl.train.rft import won_rollouts
@@ -336,6 +378,19 @@ def test_sft_from_a_missing_file_is_one_line_and_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "agentrl.cli", "sft", "--out", str(out), "--from", str(tmp_path / "nope")],
                        capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "no such file" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_sft_from_with_games_is_refused_in_one_line(tmp_path, tokenizer):
+    """--games picks walkthroughs, which --from replaces: silently ignored, it would mislead."""
+    import subprocess
+    import sys
+
+    write_rollout(tmp_path / "r1", [rollout_record(tokenizer, "put a mug", 0, ["Action: look"], True)])
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "agentrl.cli", "sft", "--out", str(out), "--from", str(tmp_path / "r1"),
+                        "--games", "5"], capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--from-walkthroughs" in p.stderr, p.stderr
     assert not out.exists()
 
 

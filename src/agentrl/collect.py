@@ -26,7 +26,7 @@ from agentrl.rollout import SIGNALS, Rollout, merge_rollouts
 from agentrl.rollout.generator import Generator
 from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.base import GenRequest, SamplingParams
-from agentrl.select.cut import CutStage
+from agentrl.select.cut import CutStage, gate_rule
 from agentrl.specs import GateSpec
 from agentrl.stats import wilson
 
@@ -36,6 +36,8 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 def prepare_rollout(cfg: Config) -> tuple[list, Generator]:
     """(games, generator): everything that can fail on bad input, before any episode runs."""
     games = load_games(cfg)
+    if (gate := cfg.rollout.parsed_gate()) is not None:
+        gate_rule(gate, cfg.gate)  # its gate.warmup table read: bad input refused before the memory plan
     check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.t_max("rollout"), "rollout")
     return games, Generator(cfg)
 

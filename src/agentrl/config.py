@@ -285,6 +285,9 @@ class SftConfig:
     # object; before it the planner's next command is where the object lies, which the policy cannot know:
     # measured harmful) | start (the first state)
     relabel_from: str = "seen"
+    # `--from ROLLOUT` (rejection-sampling fine-tuning): the first N walkthroughs of the round robin
+    # trained beside the won rollouts (0: the wins alone, STaR's data set)
+    from_walkthroughs: int = 0
     # begin from this adapter (the policy that was rolled out: a DAgger or RFT round) instead of a fresh LoRA
     init_adapter: str | None = None
 
@@ -603,6 +606,7 @@ def _check_sft(c: Config) -> Checks:
          f"sft.expert handcoded is ALFWorld's expert: it needs env.kind alfworld, got {c.env.kind!r}"),
         (s.expert_max_steps >= 1, f"sft.expert_max_steps must be >= 1, got {s.expert_max_steps}"),
         (s.relabel_states >= 1, f"sft.relabel_states must be >= 1, got {s.relabel_states}"),
+        (s.from_walkthroughs >= 0, f"sft.from_walkthroughs must be >= 0 (0: the won rollouts alone), got {s.from_walkthroughs}"),
         (s.relabel_from in ("seen", "start"), f"sft.relabel_from must be seen or start, got {s.relabel_from!r}"),
         (s.checkpoint_minutes is None or s.checkpoint_minutes >= 0,
          f"sft.checkpoint_minutes must be >= 0 (0: every step; null: never), got {s.checkpoint_minutes}"),

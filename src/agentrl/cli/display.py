@@ -354,6 +354,8 @@ def sft_summary_lines(summary: dict, out) -> list[str]:
     expert = s.get("expert") == "handcoded"
     what = (f"the {s['won']} won of {s['trajectories']} rollouts" if "from" in s
             else f"the hand-coded expert's play of {s['examples']} games" if expert else f"{s['examples']} walkthroughs")
+    if "from" in s and s.get("walkthroughs"):
+        what += f" and {s['walkthroughs']} walkthroughs"
     if "dagger" in s:  # the aggregated data: walkthroughs, then the policy's states the planner labelled
         d = s["dagger"]
         what = (f"{s['examples'] - d['states']} walkthroughs and {d['states']} states of {d['trajectories']} rollouts "

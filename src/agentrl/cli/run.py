@@ -281,6 +281,7 @@ def sft_cmd(
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     relabel: opt(Optional[list[Path]], None, "DAgger: add the states this `agentrl rollout` output's trajectories reached (train games; trajectories.jsonl or its directory; repeatable), each labelled with the PDDL planner's command there, to the walkthroughs of --games.") = None,
+    from_walkthroughs: opt(OptInt, "sft.from_walkthroughs", "With --from: also train on the first N walkthroughs of the round robin, beside the wins (default 0: the wins alone).") = None,
     relabel_states: opt(OptInt, "sft.relabel_states", "States labelled per --relabel trajectory: the first where it left the planner's plan, the rest spread over what follows (default 4).") = None,
     relabel_from: opt(OptStr, "sft.relabel_from", "Where --relabel's labels may begin: seen (once an observation named the task's object; the default: before it the planner's command is where the object lies, which the policy cannot know) | start.") = None,
     init_adapter: opt(OptStr, "sft.init_adapter", "Begin from this adapter (e.g. the policy --relabel's rollouts came from) instead of a fresh LoRA.") = None,
@@ -301,6 +302,9 @@ def sft_cmd(
 
     sources = [sft_plan.rollout_file(p) for p in from_ or []]
     relabel = [sft_plan.rollout_file(p) for p in relabel or []]
+    if sources and games is not None:
+        raise UserError("--games chooses the walkthroughs, which --from replaces with the won rollouts: "
+                        "--from-walkthroughs N trains N of them beside the wins")
     if sources and relabel:
         raise UserError("--from and --relabel make different data sets (won rollouts in place of the walkthroughs; "
                         "labelled states added to them): use one")

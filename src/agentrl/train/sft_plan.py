@@ -65,6 +65,8 @@ def recipe(cfg: Config, sources: list[dict] | None = None, relabel: list[str] | 
                else {}),
             "dataset_version": DATASET_VERSION,
             **({"from": [d["sha256"] for d in sources]} if sources else {}),
+            # the walkthroughs beside them, named only where used: earlier RFT warm starts keep their recipe
+            **({"from_walkthroughs": cfg.sft.from_walkthroughs} if sources and cfg.sft.from_walkthroughs else {}),
             # DAgger's data and where training begins, named only where used: earlier warm starts keep their recipe
             **({"relabel": {"files": relabel, "states": cfg.sft.relabel_states, "from": cfg.sft.relabel_from}}
                if relabel else {}),
@@ -146,7 +148,8 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
 
 
 # sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
-NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "relabel_from", "init_adapter")
+NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "relabel_from", "init_adapter",
+              "from_walkthroughs")
 
 
 def partial_dir(out: Path) -> Path:
