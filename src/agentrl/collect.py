@@ -26,7 +26,8 @@ from agentrl.rollout import SIGNALS, Rollout, merge_rollouts
 from agentrl.rollout.generator import Generator
 from agentrl.rollout.plan import check_kv_fits
 from agentrl.sampling.base import GenRequest, SamplingParams
-from agentrl.select.cut import CutStage, gate_rule
+from agentrl.select.auto_gate import read_warmup_rows
+from agentrl.select.cut import CutStage
 from agentrl.specs import GateSpec
 from agentrl.stats import wilson
 
@@ -36,8 +37,9 @@ GROUP_COLUMNS = ["task_id", "task_type", "K", *SIGNALS, "rewards", "cut", "steps
 def prepare_rollout(cfg: Config) -> tuple[list, Generator]:
     """(games, generator): everything that can fail on bad input, before any episode runs."""
     games = load_games(cfg)
-    if (gate := cfg.rollout.parsed_gate()) is not None:
-        gate_rule(gate, cfg.gate)  # its gate.warmup table read: bad input refused before the memory plan
+    gate = cfg.rollout.parsed_gate()
+    if gate is not None and gate.auto and cfg.gate.warmup:  # a bad table refused before the memory plan (read
+        read_warmup_rows(Path(cfg.gate.warmup), gate.K, ())  # again, and fitted, when the stage is built)
     check_kv_fits(cfg, round_size(cfg, len(games)) * cfg.rollout.group_size, cfg.t_max("rollout"), "rollout")
     return games, Generator(cfg)
 

@@ -316,8 +316,10 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
     check_out_dir(out, force)
     check_init_adapter(cfg)
     found = resumable(cfg, out, force, resume, sources, relabel)  # before anything loads: a refusal is one line
-    games = select_games(cfg, s.split, s.games) if not sources else (
-        select_games(cfg, s.split, s.from_walkthroughs) if s.from_walkthroughs else [])
+    if sources:  # --from: the wins, and sft.from_walkthroughs walkthroughs beside them (none by default)
+        games = select_games(cfg, s.split, s.from_walkthroughs) if s.from_walkthroughs else []
+    else:
+        games = select_games(cfg, s.split, s.games)
     heldout_games = select_games(cfg, s.heldout_split, s.heldout_games) if s.heldout_games else []
     t0 = time.perf_counter()
     if model is None or tokenizer is None:
@@ -325,7 +327,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         model, tokenizer = load_model(cfg.model.name, dtype, cfg.model.device, cfg.model.trust_remote_code)
     won = won_rollouts(sources, tokenizer, cfg.prompt.history or 0) if sources else None  # before any replay: errors first
     data, held = replay(cfg, games, heldout_games, tokenizer, cache_dir, hooks)
-    if won is not None:  # the wins, beside sft.from_walkthroughs' walkthroughs (none by default)
+    if won is not None:
         data.examples = [Example(*seq) for seq in won.sequences] + data.examples
     dagger = relabelled(cfg, relabel, tokenizer, cache_dir, hooks) if relabel else None
     if dagger is not None:  # the aggregated data set: the walkthroughs and the policy's labelled states
