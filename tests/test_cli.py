@@ -106,6 +106,7 @@ def test_rollout_bad_input(tmp_path, args, pattern):
         (["--loss-agg", "mean"], r"learner.loss_agg must be one of seq-sum"),
         (["--kl-coef", "0.5"], r"learner.kl_coef > 0 needs a reference: the warm start \(--init-adapter DIR\)"),
         (["--invalid-action-in", "advantage", "--advantage", "gigpo"], r"gigpo already gives each reply its own"),
+        (["--advantage", "raft", "--invalid-action-reward", "-0.01"], r"raft only clones wins"),
         (["--off-policy", "nowhere/trajectories.jsonl", "--ab", "--gate", "off"], r"--ab compares no gate with a gate"),
         (["--select", "greso,pilot"], r"unknown selection stage 'pilot' \(did you mean 'pilot-commit'\?\)"),
         (["--select", "dapo", "--gate-audit", "0.2"], r"select.gate_audit audits the gate: select cut too"),

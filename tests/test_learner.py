@@ -199,6 +199,31 @@ def test_several_steps_per_iteration_take_todays_single_update_first(tiny_model,
     assert stats.logprob_gap is not None and stats.logprob_gap < 1e-4  # measured before the update
 
 
+def test_under_raft_the_update_is_behaviour_cloning_on_the_wins(tiny_model, four):
+    """`--advantage raft`: A = 1 on a win, 0 otherwise, so the update's loss is the teacher-forced
+    NLL of the won replies over the whole batch's N (seq-sum), the losses cost nothing, and it
+    raises the wins' log-probs; an all-success group trains in full."""
+    from types import SimpleNamespace
+
+    from agentrl.train.advantage import Advantage, batch_advantages
+
+    for t, won in zip(four, (True, False, True, False)):
+        t.stop_reason = "won" if won else "max_steps"
+    group = SimpleNamespace(trajectories=four, cut=False, excluded_by=None, env_failed=False)
+    batch = batch_advantages([group], Advantage("raft"))
+    assert [a for _, a in batch] == [1.0, 0.0, 1.0, 0.0]
+    learner = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2))
+    wins = [four[0], four[2]]
+    before = [seq_logp(learner.model, t) for t in wins]
+    stats = learner.update(batch)
+    assert stats.loss == pytest.approx(-sum(before) / len(four), rel=1e-5)
+    assert stats.step_tokens_trained == sum(sum(t.action_mask) for t in wins)
+    assert all(seq_logp(learner.model, t) > b for t, b in zip(wins, before))
+    for t in four:
+        t.stop_reason = "won"
+    assert Advantage("raft").of_group(group) == [1.0] * len(four)
+
+
 def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):
     batch = [(t, a) for t, a in zip(four, (1.0, -1.0, 0.0, 0.5))]
     a, b = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))

@@ -117,6 +117,10 @@ def test_group_advantages_eq1():
     assert np.all(group_advantages([1, 1, 1]) == 0)
     assert group_advantages([1, 0, 0], "rloo").tolist() == [1.0, -0.5, -0.5]
     assert group_advantages([1, 0], "dr_grpo").tolist() == [0.5, -0.5]
+    # raft: no baseline; a win is 1 wherever it is, so an all-success group is not zero-signal
+    assert group_advantages([1, 0, 0, 1], "raft").tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert group_advantages([1, 1, 1], "raft").tolist() == [1.0, 1.0, 1.0]
+    assert group_advantages([0, 0, 0], "raft").tolist() == [0.0, 0.0, 0.0]
 
 
 def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, tokenizer):

@@ -35,7 +35,7 @@ LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
 KL_UNITS = ("trained-mean", "per-token")
 OLD_LOGPROBS = ("learner", "sampler")
 HEAPS = ("auto", "fixed")
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "gigpo", "raft")
 
 
 @dataclass
@@ -297,7 +297,7 @@ class TrainConfig:
     """`agentrl train` (Tier 3): B = rollout.tasks, G = rollout.group_size, the gate = rollout.gate."""
 
     iterations: int = 60
-    advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo | gigpo (step-level credit; settings in `advantage`)
+    advantage: str = "grpo"  # grpo (Eq. 1) | dr_grpo | rloo | gigpo (step-level credit; settings in `advantage`) | raft (wins only: RFT online)
     eval_every: int = 10  # E; iteration 0 is always evaluated
     eval_tasks: int = 50  # H held-out tasks (disjoint from the training tasks)
     eval_split: str = "valid_seen"
@@ -663,6 +663,8 @@ def _check_train(c: Config) -> Checks:
          f"reward.invalid_action_in must be return or advantage, got {rw.invalid_action_in!r}"),
         (rw.invalid_action_in == "return" or tc.advantage != "gigpo",
          "reward.invalid_action_in advantage is for trajectory-level estimators; gigpo already gives each reply its own"),
+        (rw.invalid_action == 0 or tc.advantage != "raft",
+         "reward.invalid_action needs a baseline to weigh against; raft only clones wins (use grpo, dr_grpo, rloo or gigpo)"),
         (tc.eval_every >= 0, f"train.eval_every must be >= 0 (0: only iteration 0 and the last), got {tc.eval_every}"),
         (tc.eval_tasks >= 0, f"train.eval_tasks must be >= 0 (0: no eval), got {tc.eval_tasks}"),
         (tc.eval_split in SPLITS, f"unknown split {tc.eval_split!r}; choose one of {', '.join(SPLITS)}"),

@@ -170,7 +170,7 @@ def train_cmd(
     gate: opt(OptStr, "rollout.gate", "K,d_L (e.g. 10,0.12), K,auto[:S1+S2+...] (fitted online; needs --gate-audit), K,nowin (cut groups with no row won by K) or off.") = None,
     gate_or_tau: GateOrTauOpt = None,
     gate_warmup: GateWarmupOpt = None,
-    advantage: opt(OptStr, "train.advantage", "grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO).") = None,
+    advantage: opt(OptStr, "train.advantage", "grpo | dr_grpo | rloo | gigpo (step-level credit, verl-agent's GiGPO) | raft (A = 1 on a win, 0 otherwise: rejection-sampling fine-tuning online).") = None,
     gamma: opt(OptFloat, "advantage.gamma", "GiGPO: discount of the step-level returns (default 0.95).") = None,
     omega: opt(OptFloat, "advantage.omega", "GiGPO: weight of the step-level advantage (default 1.0).") = None,
     invalid_action_reward: opt(OptFloat, "reward.invalid_action", "Reward of a reply that maps to no admissible command (<= 0; default 0: off).") = None,

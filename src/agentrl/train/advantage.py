@@ -4,6 +4,13 @@ GRPO family, per trajectory (Eq. 1 of the paper): A_i = (r_i - mean) / (std + ep
 std (`dr_grpo`: no std; `rloo`: leave-one-out baseline). A zero-variance group gets A = 0 for
 every trajectory: it teaches nothing, which is why the gate may stop it early.
 
+RAFT (`--advantage raft`; Dong et al. 2023, "RAFT: Reward rAnked FineTuning"; with the clipped
+ratio of later minibatches, Xiong et al. 2025's RAFT++): A_i = 1 if R_i > 0 (a win) else 0, no
+baseline. The policy-gradient step on it is behaviour cloning on the iteration's wins, so
+`agentrl sft --from` (rejection-sampling fine-tuning) runs online, inside the loop. Here an
+all-fail group teaches nothing and an all-success group teaches fully: a cut of all-success
+groups drops signal (`advantage_mass` measures it); `--gate K,nowin` cuts only groups with no win.
+
 GiGPO, per step (`--advantage gigpo`; Feng et al. 2025, "Group-in-Group Policy Optimization"),
 written after the authors' code, langfengQ/verl-agent gigpo/core_gigpo.py at 29e3e8b (Lang
 Feng, 2025-09-03; read in its fork johnhaofu/verl-agent, which carries that commit unchanged):
@@ -34,6 +41,8 @@ def group_advantages(rewards, estimator: str = "grpo", eps: float = 1e-6) -> np.
     if estimator == "rloo":  # leave-one-out baseline
         n = len(r)
         return r - (r.sum() - r) / (n - 1) if n > 1 else np.zeros_like(r)
+    if estimator == "raft":  # no baseline: a win is cloned, anything else teaches nothing
+        return (r > 0).astype(np.float64)
     raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
 
 
