@@ -244,6 +244,21 @@ def test_the_shipped_gigpo_configs_hold_gigpos_recipe(name):
         check_kl_reference(c)
 
 
+def test_the_shipped_raft_config_is_the_measured_run_from_learnings_warm_start():
+    """configs/raft.yaml: raft over 4 iterations of 8 x 8, admissible, no gate, no KL, 16 steps an
+    iteration; its warm start is configs/learning.yaml's in bf16, the recipe the measurement used."""
+    from pathlib import Path
+
+    from agentrl.config import load_config
+    from agentrl.train.sft_plan import recipe
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    c = load_config(configs / "raft.yaml")
+    assert (c.train.advantage, c.rollout.tasks, c.rollout.group_size, c.train.iterations) == ("raft", 8, 8, 4)
+    assert (c.sampling.action_space, c.rollout.gate, c.learner.kl_coef, c.learner.minibatches) == ("admissible", "off", 0.0, 16)
+    assert recipe(c) == recipe(load_config(configs / "learning.yaml", {"model.dtype": "bf16-if-native"}))
+
+
 # ---------------------------------------------------------------- agentrl sft --from (rejection-sampling fine-tuning)
 def rollout_record(tokenizer, task: str, index: int, replies: list[str], won: bool, response=None) -> dict:
     """A trajectories.jsonl record as `agentrl rollout` writes it: prompt, then per step a reply
