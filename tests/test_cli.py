@@ -107,6 +107,7 @@ def test_rollout_bad_input(tmp_path, args, pattern):
         (["--kl-coef", "0.5"], r"learner.kl_coef > 0 needs a reference: the warm start \(--init-adapter DIR\)"),
         (["--invalid-action-in", "advantage", "--advantage", "gigpo"], r"gigpo already gives each reply its own"),
         (["--advantage", "raft", "--invalid-action-reward", "-0.01"], r"raft only clones wins"),
+        (["--cut-groups", "keep"], r"advantage.cut_groups must be drop or zero, got 'keep'"),
         (["--off-policy", "nowhere/trajectories.jsonl", "--ab", "--gate", "off"], r"--ab compares no gate with a gate"),
         (["--select", "greso,pilot"], r"unknown selection stage 'pilot' \(did you mean 'pilot-commit'\?\)"),
         (["--select", "dapo", "--gate-audit", "0.2"], r"select.gate_audit audits the gate: select cut too"),
@@ -443,7 +444,7 @@ def test_every_option_sets_a_real_config_field():
             yield from fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [f"{prefix}{f.name}"]
 
     known = set(fields(Config()))
-    for command, n in ((run.eval_cmd, 19), (run.rollout_cmd, 25), (run.train_cmd, 46), (run.sft_cmd, 16)):
+    for command, n in ((run.eval_cmd, 19), (run.rollout_cmd, 25), (run.train_cmd, 47), (run.sft_cmd, 16)):
         paths = overrides(command, {name: None for name in command.__code__.co_varnames})
         assert set(paths) <= known and len(paths) == n, (command.__name__, set(paths) - known, len(paths))
     train = overrides(run.train_cmd, {name: None for name in run.train_cmd.__code__.co_varnames})

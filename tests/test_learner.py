@@ -224,6 +224,35 @@ def test_under_raft_the_update_is_behaviour_cloning_on_the_wins(tiny_model, four
     assert Advantage("raft").of_group(group) == [1.0] * len(four)
 
 
+def test_a_cut_group_zeroed_in_the_batch_leaves_the_update_the_ungated_one(tiny_model, four):
+    """`advantage.cut_groups`: a group with no win, cut by the gate, under `zero` enters at A = 0
+    and counts in N, so the update equals the ungated run's (where it ran on and scored A = 0),
+    weight for weight; under `drop` (the paper's) it leaves N, and the same wins' seq-sum loss
+    grows by sampled / kept (the paper's section 4.4 dilution, removed)."""
+    from types import SimpleNamespace
+
+    from agentrl.train.advantage import Advantage, batch_advantages
+
+    for t, won in zip(four, (True, False, False, False)):
+        t.stop_reason = "won" if won else "max_steps"
+    informative = SimpleNamespace(trajectories=four[:2], cut=False, excluded_by=None, env_failed=False)
+    for estimator in ("raft", "grpo"):
+        ran_on = SimpleNamespace(trajectories=four[2:], cut=False, excluded_by=None, env_failed=False)
+        cut = SimpleNamespace(trajectories=four[2:], cut=True, excluded_by=None, env_failed=False)
+        audited = SimpleNamespace(trajectories=four[2:], cut=False, excluded_by="cut", env_failed=False)
+        ungated = batch_advantages([informative, ran_on], Advantage(estimator))
+        zero = batch_advantages([informative, cut], Advantage(estimator, cut_groups="zero"))
+        assert zero == ungated == batch_advantages([informative, audited], Advantage(estimator, cut_groups="zero"))
+        drop = batch_advantages([informative, cut], Advantage(estimator))
+        assert drop == ungated[:2]
+        a, b, c = (LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)) for _ in range(3))
+        sa, sb, sc = a.update(ungated), b.update(zero), c.update(drop)
+        assert all(torch.equal(x, y) for x, y in zip(lora_weights(a), lora_weights(b)))
+        assert (sa.loss, sa.grad_l2_norm) == (sb.loss, sb.grad_l2_norm)
+        assert sc.loss == pytest.approx(2 * sa.loss, rel=1e-6)  # N 4 -> 2: the kept rows' step doubles
+        assert sc.grad_l2_norm == pytest.approx(2 * sa.grad_l2_norm, rel=1e-5)
+
+
 def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):
     batch = [(t, a) for t, a in zip(four, (1.0, -1.0, 0.0, 0.5))]
     a, b = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))

@@ -81,7 +81,7 @@ def test_pair_is_the_papers_table5(runs, report):
     baseline, gated = runs
     rep, _ = report
     (pair,) = rep["pairs"]
-    assert pair["seed"] == 7 and pair["gate"] == "10,0.12"
+    assert pair["seed"] == 7 and pair["gate"] == "10,0.12" and pair["cut_groups"] == "drop"  # the default: the paper's
     assert pair["baseline"] == str(baseline) and pair["gated"] == str(gated)
     assert pair["wall_clock_change_pct"] == pytest.approx(-20.0)  # 240 / 300 - 1
     assert pair["groups_cut"] == 3
@@ -97,6 +97,21 @@ def test_pair_is_the_papers_table5(runs, report):
     # the final evals paired on the same 8 games: g4, g5 won by the gated arm alone, g3 by the baseline alone
     assert pair["heldout_paired"] == {"iteration": 3, "split": "valid_seen", "games": 8, "difference_points": 12.5,
                                       "mcnemar_p": 1.0, "won_only_by_gated": 2, "won_only_by_baseline": 1}
+
+
+def test_the_pair_says_how_the_cut_groups_entered_the_loss(runs, tmp_path):
+    """`advantage.cut_groups: zero` (cut groups in N at A = 0) changes what the grad-norm ratio
+    means, so Table 5 names it beside the gate."""
+    import shutil
+
+    baseline, gated = runs
+    zero = tmp_path / "gated-zero"
+    shutil.copytree(gated, zero)
+    (zero / "config.yaml").write_text(CONFIG.format(seed=7, gate='"10,0.12"') + "advantage:\n  cut_groups: zero\n")
+    rep = build_report([baseline, zero], tmp_path / "out")
+    (pair,) = rep["pairs"]
+    assert pair["cut_groups"] == "zero"
+    assert "10,0.12 · cut groups in N (zero)" in report_markdown(rep)
 
 
 def test_per_run_numbers(report):

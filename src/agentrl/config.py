@@ -332,6 +332,11 @@ class AdvantageConfig:
     # a reply cut at max_new_tokens gets A = 0 (DAPO's overlong filtering, per reply): a winning
     # episode does not teach the junk inside it, a losing one does not push its tokens around
     mask_cut_replies: bool = False
+    # what the gate's cut (and audited) groups are in the loss: drop (the paper: out of the batch and
+    # of its N, so the kept trajectories' gradient grows by sampled / kept, its section 4.4 dilution
+    # removed) | zero (in the batch at A = 0, no forward pass: they count in N as an ungated run's
+    # all-fail group does, so a cut of a group with no signal leaves the update the ungated one)
+    cut_groups: str = "drop"
 
 
 @dataclass
@@ -658,6 +663,7 @@ def _check_train(c: Config) -> Checks:
         (tc.advantage in ADVANTAGES, f"train.advantage must be one of {', '.join(ADVANTAGES)}, got {tc.advantage!r}"),
         (0 <= a.gamma <= 1, f"advantage.gamma must be in [0, 1], got {a.gamma}"),
         (a.omega >= 0, f"advantage.omega must be >= 0, got {a.omega}"),
+        (a.cut_groups in ("drop", "zero"), f"advantage.cut_groups must be drop or zero, got {a.cut_groups!r}"),
         (rw.invalid_action <= 0, f"reward.invalid_action is a penalty: it must be <= 0, got {rw.invalid_action}"),
         (rw.invalid_action_in in ("return", "advantage"),
          f"reward.invalid_action_in must be return or advantage, got {rw.invalid_action_in!r}"),

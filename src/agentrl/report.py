@@ -240,6 +240,8 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     rollout_b, rollout_g = (total(r, "rollout_s", both) for r in (baseline, gated))
     return {
         "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
+        # drop (the paper's: the kept rows' step grows by sampled / kept) or zero (cut groups in N at A = 0)
+        "cut_groups": config_value(gated.config, "advantage.cut_groups") or "drop",
         "iterations_baseline": b["iterations"], "iterations_gated": g["iterations"],
         "wall_clock_change_pct": 100 * (wall_g / wall_b - 1) if is_number(wall_b) and is_number(wall_g) and wall_b > 0 else None,
         "groups_cut": g["groups_cut"],
@@ -433,7 +435,8 @@ def run_row(r: dict) -> list[str]:
 
 
 def pair_row(p: dict) -> list[str]:
-    return [Path(p["gated"]).name, Path(p["baseline"]).name, fmt(p["seed"], ""), p["gate"],
+    return [Path(p["gated"]).name, Path(p["baseline"]).name, fmt(p["seed"], ""),
+            p["gate"] + (" · cut groups in N (zero)" if p.get("cut_groups") == "zero" else ""),
             f"{p['iterations_baseline']} / {p['iterations_gated']}",
             f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')} ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,}"
             f" in {p['iterations_compared']} iterations)",

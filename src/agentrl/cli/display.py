@@ -221,7 +221,8 @@ def describe_advantage(cfg) -> str:
         a += f" (gamma {cfg.advantage.gamma}, omega {cfg.advantage.omega}{'' if cfg.advantage.std_norm else ', no std'})"
     if cfg.reward.invalid_action:
         a += f" · invalid action {cfg.reward.invalid_action}" + (" (in the advantage)" if cfg.reward.invalid_action_in == "advantage" else "")
-    return a + (" · cut replies masked" if cfg.advantage.mask_cut_replies else "")
+    a += " · cut replies masked" if cfg.advantage.mask_cut_replies else ""
+    return a + (" · cut groups in N at A = 0" if cfg.advantage.cut_groups == "zero" else "")
 
 
 def print_curve(rows: list[dict], where) -> None:

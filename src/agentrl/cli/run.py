@@ -176,6 +176,7 @@ def train_cmd(
     invalid_action_reward: opt(OptFloat, "reward.invalid_action", "Reward of a reply that maps to no admissible command (<= 0; default 0: off).") = None,
     invalid_action_in: opt(OptStr, "reward.invalid_action_in", "Where that penalty enters: return (before the group's normalisation, verl-agent's) or advantage (each invalid reply's, after it; zero-variance groups stay out).") = None,
     mask_cut_replies: opt(OptBool, "advantage.mask_cut_replies", "Replies cut at max_new_tokens get A = 0 (DAPO's overlong filtering, per reply).", "--mask-cut-replies/--no-mask-cut-replies") = None,
+    cut_groups: opt(OptStr, "advantage.cut_groups", "The gate's cut groups in the loss: drop (the paper's: out of its N, so the kept rows' step grows) | zero (in at A = 0, counted in N: a cut with no signal leaves the update the ungated run's).") = None,
     select: opt(OptStr, "select.stages", "Rollout-selection stages, e.g. greso,cut,dapo (default: cut when the gate is on).", "--select") = None,
     gate_audit: opt(OptFloat, "select.gate_audit", "Share of the groups the gate would cut that run on anyway (out of the loss): live precision/recall.") = None,
     dapo_refill: opt(OptInt, "select.dapo_refill", "Extra rollout rounds to refill the batch after the DAPO filter.") = None,

@@ -18,7 +18,12 @@ A(i, t) = A_E(i, t) + omega * A_S(i, t), every token of step t's reply carries A
 GiGPO an all-success group of unequal lengths still has signal (a shorter path earns a larger
 discounted return), so a cut can drop signal: `advantage_mass` measures how much.
 
-Cut groups and groups a selection stage excluded never enter the batch.
+Cut groups and groups a selection stage excluded never enter the batch, unless
+`advantage.cut_groups: zero` puts the gate's cut (and audited) groups in at A = 0: no forward
+pass, but they count in the loss's N (seq-sum) or token total (token-mean, their tokens up to the
+cut), as an ungated run's all-fail group would. The default, `drop`, is the paper's: a cut group
+leaves the batch and its N, so the kept trajectories' gradient grows by sampled / kept (its
+section 4.4, "dilution"); under `raft` with most groups cut that multiplies a few wins' step.
 """
 
 from __future__ import annotations
@@ -140,12 +145,13 @@ class Advantage:
     invalid_action: float = RewardConfig.invalid_action  # reward of a step whose reply maps to no admissible command (<= 0)
     invalid_action_in: str = RewardConfig.invalid_action_in  # into the return (before normalising) or the advantage (after)
     mask_cut_replies: bool = AdvantageConfig.mask_cut_replies  # a reply cut at max_new_tokens gets A = 0
+    cut_groups: str = AdvantageConfig.cut_groups  # the gate's cut groups: drop (out of N) | zero (in N at A = 0)
 
     @classmethod
     def of(cls, cfg) -> "Advantage":
         a = cfg.advantage
         return cls(cfg.train.advantage, a.gamma, a.omega, a.std_norm, cfg.reward.invalid_action,
-                   cfg.reward.invalid_action_in, a.mask_cut_replies)
+                   cfg.reward.invalid_action_in, a.mask_cut_replies, a.cut_groups)
 
     @property
     def per_step(self) -> bool:
@@ -190,11 +196,17 @@ class Advantage:
 def batch_advantages(groups, advantage: "str | Advantage" = "grpo") -> list[tuple[object, object]]:
     """(trajectory, advantage) for every trajectory that reaches the loss: cut groups, groups a
     selection stage excluded (`excluded_by`: the DAPO filter, select/dapo.py, among them) and
-    groups an env failure touched (`env_failed`) never enter."""
+    groups an env failure touched (`env_failed`) never enter; with `cut_groups: zero` the gate's
+    cut and audited groups enter at A = 0 (counted in N, never forwarded)."""
     fn = advantage if isinstance(advantage, Advantage) else Advantage(advantage)
     out = []
     for g in groups:
-        if g.cut or getattr(g, "excluded_by", None) or getattr(g, "env_failed", False):
+        by = getattr(g, "excluded_by", None)
+        if getattr(g, "env_failed", False) or by not in (None, "cut"):
+            continue
+        if g.cut or by == "cut":
+            if fn.cut_groups == "zero":
+                out.extend((t, 0.0) for t in g.trajectories)
             continue
         out.extend(zip(g.trajectories, fn.of_group(g)))
     return out
