@@ -31,6 +31,8 @@ SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 # valid_train (held-out trials of train tasks, for choosing checkpoints) ships with the full data only
 # (../shared/data/alfworld-full): a data root without it is complete
 OPTIONAL_SPLITS = ("valid_train",)
+# `agentrl eval --split heldout`: both held-out splits (140 + 134 games), the number users compare
+HELDOUT, HELDOUT_SPLITS = "heldout", ("valid_seen", "valid_unseen")
 LOSS_AGGREGATIONS = ("seq-sum", "token-mean", "seq-mean-token-mean")
 KL_UNITS = ("trained-mean", "per-token")
 OLD_LOGPROBS = ("learner", "sampler")
@@ -533,7 +535,8 @@ def _check_sampling(c: Config) -> Checks:
 def _check_eval(c: Config) -> Checks:
     v = c.eval
     return [
-        (v.split in SPLITS, f"unknown split {v.split!r}; choose one of {', '.join(SPLITS)}"),
+        (v.split in SPLITS or v.split == HELDOUT,
+         f"unknown split {v.split!r}; choose one of {', '.join(SPLITS)} or {HELDOUT} (valid_seen and valid_unseen)"),
         (v.policy in ("model", "walkthrough"), f"eval.policy must be 'model' or 'walkthrough', got {v.policy!r}"),
         (v.limit is None or v.limit >= 1, f"eval.limit must be >= 1, got {v.limit}"),
         (v.samples >= 0, f"eval.samples must be >= 0 (0: greedy), got {v.samples}"),

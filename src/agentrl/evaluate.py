@@ -1,17 +1,21 @@
 """`agentrl eval`: held-out episodes (greedy, or N sampled per game) through the Generator;
-episodes.jsonl and summary.json, a projection of the one `EvalResult`."""
+episodes.jsonl and summary.json, a projection of the one `EvalResult`. `--split heldout` plays
+both held-out splits with one loaded model: each split's files in OUT/<split> (the layout
+`agentrl compare` pools), their union's summary.json in OUT."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from agentrl.config import Config, effective_prompt
+from agentrl.config import HELDOUT, HELDOUT_SPLITS, Config, effective_prompt
 from agentrl.env import find_games
 from agentrl.io import atomic_write_json, atomic_write_jsonl
 from agentrl.rollout.generator import EvalResult, Generator
+from agentrl.rollout.lockstep import summed_stats
 from agentrl.rollout.plan import check_kv_fits
 
-__all__ = ["EvalResult", "prepare_eval", "run_eval", "summary"]
+__all__ = ["EvalResult", "eval_splits", "prepare_eval", "run_eval", "run_evals", "summary"]
 
 
 def summary(result: EvalResult, cfg: Config) -> dict:
@@ -55,9 +59,16 @@ def walkthrough_outcomes(result: EvalResult) -> dict:
             "longer_than_t_max": too_long}
 
 
-def prepare_eval(cfg: Config) -> tuple[list, Generator]:
-    """(games, generator): everything that can fail on bad input, before any episode runs."""
-    games = find_games(cfg.env.kind, cfg.eval.split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
+def eval_splits(cfg: Config) -> tuple[str, ...]:
+    """The splits an eval plays: eval.split, or both held-out splits for `heldout`."""
+    return HELDOUT_SPLITS if cfg.eval.split == HELDOUT else (cfg.eval.split,)
+
+
+def prepare_eval(cfg: Config) -> tuple[dict[str, list], Generator]:
+    """({split: games}, generator): everything that can fail on bad input, before any episode runs
+    (every split's games are found before the model loads)."""
+    games = {split: find_games(cfg.env.kind, split, cfg.data.root, cfg.eval.task_types, cfg.eval.limit)
+             for split in eval_splits(cfg)}
     if cfg.eval.policy == "model":  # one episode's KV must fit (more are run in slices)
         check_kv_fits(cfg, 1, cfg.t_max("eval"), "eval")
     return games, Generator(cfg, walkthrough=cfg.eval.policy == "walkthrough")
@@ -65,14 +76,46 @@ def prepare_eval(cfg: Config) -> tuple[list, Generator]:
 
 def run_eval(cfg: Config, out: Path | None = None, games=None, generator: Generator | None = None, on_step=None,
              on_reset=None) -> EvalResult:
-    """Run cfg.eval's episodes; write episodes.jsonl and summary.json into `out`. The generator
-    (from `prepare_eval`, made here if not given) is closed when done."""
+    """Run cfg.eval's episodes on one split; write episodes.jsonl and summary.json into `out`. The
+    generator (from `prepare_eval`, made here if not given) is closed when done."""
     if games is None or generator is None:
-        games, generator = prepare_eval(cfg)
+        found, generator = prepare_eval(cfg)
+        games = found[cfg.eval.split]
     with generator:
-        result = generator.evaluate(games, cfg.eval.split, cfg.t_max("eval"), cfg.eval.samples, on_step, on_reset)
+        return _play(cfg, out, games, generator, on_step, on_reset)
+
+
+def run_evals(cfg: Config, out: Path | None, games: dict[str, list], generator: Generator, on_split=None,
+              on_step=None, on_reset=None) -> dict[str, EvalResult]:
+    """Each split's episodes with one generator (closed when done). One split: as `run_eval`.
+    Several (`heldout`): split S's files in out/S, then the union's result, under the key
+    cfg.eval.split, with its summary.json in `out`. `on_split(split, games)` before each split."""
+    results: dict[str, EvalResult] = {}
+    with generator:
+        for split, split_games in games.items():
+            if on_split is not None:
+                on_split(split, len(split_games))
+            one = replace(cfg, eval=replace(cfg.eval, split=split))
+            where = out if out is None or len(games) == 1 else out / split
+            results[split] = _play(one, where, split_games, generator, on_step, on_reset)
+    if len(games) > 1:
+        results[cfg.eval.split] = union = _union(cfg.eval.split, list(results.values()))
+        if out is not None:  # no episodes.jsonl here: `agentrl compare OUT` reads the splits' own
+            atomic_write_json(out / "summary.json", summary(union, cfg))
+    return results
+
+
+def _play(cfg: Config, out: Path | None, games: list, generator: Generator, on_step, on_reset) -> EvalResult:
+    result = generator.evaluate(games, cfg.eval.split, cfg.t_max("eval"), cfg.eval.samples, on_step, on_reset)
     if out is not None:
         rows = [t.summary() | {"responses": [s.response for s in t.steps]} for t in result.trajectories]
         atomic_write_jsonl(out / "episodes.jsonl", rows)
         atomic_write_json(out / "summary.json", summary(result, cfg))
     return result
+
+
+def _union(split: str, results: list[EvalResult]) -> EvalResult:
+    """Evaluations run one after another as one: their episodes together, their costs summed."""
+    first, stats = results[0], summed_stats([r.stats for r in results])
+    return EvalResult(split, first.max_steps, [t for r in results for t in r.trajectories], stats, first.samples,
+                      first.seed, sum(r.elapsed_s for r in results), results[-1].memory)

@@ -12,7 +12,7 @@ from agentrl.cli.display import (console, err, metrics_line, print_curve, print_
 from agentrl.cli.options import (ActionSpaceOpt, AdapterOpt, ConfigOpt, DataOpt, EnvWorkersOpt, GateOrTauOpt, GateWarmupOpt, GroupSizeOpt, KVBudgetOpt, LoopGuardOpt, LoraROpt,
                                  MaxNewTokensOpt, ModelOpt, OptBool, OptFloat, OptInt, OptStr, RayAddressOpt, SamplerOpt,
                                  SamplerReplicasOpt, opt, overrides, To)
-from agentrl.config import SPLITS, load_config
+from agentrl.config import HELDOUT, SPLITS, load_config
 from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_json, atomic_write_text, read_jsonl
 from agentrl.models import resolve_model
@@ -21,8 +21,8 @@ from agentrl.models import resolve_model
 # ---------------------------------------------------------------- eval
 @app.command("eval")
 def eval_cmd(
-    split: opt(str, "eval.split", f"One of {', '.join(SPLITS)}.") = "valid_seen",
-    limit: opt(OptInt, "eval.limit", "Evaluate the first N games (task types interleaved).") = None,
+    split: opt(str, "eval.split", f"One of {', '.join(SPLITS)}, or {HELDOUT}: valid_seen and valid_unseen with one model load (OUT/<split> each, the union's summary.json in OUT).") = "valid_seen",
+    limit: opt(OptInt, "eval.limit", "Evaluate the first N games of each split (task types interleaved).") = None,
     task_type: opt(Optional[list[str]], "eval.task_types", "Only this task type (repeatable).", "--task-type") = None,
     model: ModelOpt = None,
     adapter: AdapterOpt = None,
@@ -48,15 +48,22 @@ def eval_cmd(
     cfg = load_config(config, overrides(eval_cmd, locals()))
     if cfg.eval.policy == "model":
         resolve_model(cfg.model.name)  # a missing or unprepared model: one line, before torch loads
-    from agentrl.evaluate import prepare_eval, run_eval, summary  # torch: after the config's checks (bad input answers at once)
+    from agentrl.evaluate import prepare_eval, run_evals, summary  # torch: after the config's checks (bad input answers at once)
 
     out = out or Path("runs") / f"eval-{cfg.eval.split}-{time.strftime('%Y%m%d-%H%M%S')}"
     max_t = cfg.t_max("eval")
     with err.status("loading model" if cfg.eval.policy == "model" else "finding games"):
         games, generator = prepare_eval(cfg)
+    several = len(games) > 1
     with progress_bar() as bar:
         loading = bar.add_task("loading games", total=None, info="")
         stepping = bar.add_task("steps", total=max_t, info="", visible=False)
+
+        def on_split(split: str, n: int) -> None:
+            if several:  # each split's bars from zero, named
+                start_phase(bar, loading, f"loading {split} games", n)
+                start_phase(bar, stepping, f"{split} steps", max_t)
+                bar.update(stepping, visible=False)
 
         def on_reset(k: int, n: int) -> None:
             bar.update(loading, completed=k, total=n)
@@ -64,10 +71,13 @@ def eval_cmd(
         def on_step(step: int, trajs) -> None:
             bar.update(stepping, completed=step, visible=True, info=step_info(trajs, cut=False))
 
-        result = run_eval(cfg, out, games, generator, on_step=on_step, on_reset=on_reset)
+        results = run_evals(cfg, out, games, generator, on_split, on_step, on_reset)
         bar.update(stepping, completed=max_t)
-    print_summary(summary(result, cfg))
-    console.print(f"wrote {out / 'episodes.jsonl'} and {out / 'summary.json'}")
+    for split, result in results.items():
+        print_summary(summary(result, cfg))
+    written = [out / s / "episodes.jsonl" for s in games] if several else [out / "episodes.jsonl"]
+    console.print(f"wrote {', '.join(map(str, written))} and {out / 'summary.json'}"
+                  + (f" (their union; `agentrl compare {out} OTHER` pairs the splits game by game)" if several else ""))
 
 
 # ---------------------------------------------------------------- rollout

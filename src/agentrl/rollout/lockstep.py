@@ -395,11 +395,16 @@ def run_in_slices(games: list[Game], slice_size: int | None, policy, run: Lockst
 
 def merge_rollouts(parts: list[Rollout]) -> Rollout:
     """Rollouts run one after another, as one: their groups in order, their costs summed."""
+    return Rollout([g for r in parts for g in r.groups], summed_stats([r.stats for r in parts]))
+
+
+def summed_stats(parts: list[RolloutStats]) -> RolloutStats:
+    """The costs of runs one after another, as one run's."""
     stats = RolloutStats()
     for r in parts:
         for name in ("env_steps", "step_tokens", "generate_s", "env_s", "wall_s"):
-            setattr(stats, name, getattr(stats, name) + getattr(r.stats, name))
-    return Rollout([g for r in parts for g in r.groups], stats)
+            setattr(stats, name, getattr(stats, name) + getattr(r, name))
+    return stats
 
 
 @dataclass
