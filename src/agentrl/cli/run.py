@@ -73,7 +73,7 @@ def eval_cmd(
 
         results = run_evals(cfg, out, games, generator, on_split, on_step, on_reset)
         bar.update(stepping, completed=max_t)
-    for split, result in results.items():
+    for result in results.values():
         print_summary(summary(result, cfg))
     written = [out / s / "episodes.jsonl" for s in games] if several else [out / "episodes.jsonl"]
     console.print(f"wrote {', '.join(map(str, written))} and {out / 'summary.json'}"
