@@ -93,6 +93,26 @@ def test_compare_command_prints_and_writes_the_paired_result(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no episodes.jsonl" in bad.stderr
 
 
+def test_a_log_gets_the_task_types_and_the_verdict_whole(tmp_path):
+    """Printed into a log (not a terminal) with no COLUMNS set, the table is 120 columns wide, not
+    rich's 80, which cut the task types to `pick_…` and wrapped the verdict; COLUMNS still wins."""
+    import os
+
+    kind = "pick_clean_then_place_in_recep"
+    games = [(f"g{i}", kind, 0) for i in range(10)]
+    write_eval(tmp_path / "a", games)
+    write_eval(tmp_path / "b", [(g, t, int(g in {"g1", "g2", "g3", "g4", "g5", "g6"})) for g, t, _ in games])
+    cmd = [sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "b")]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    log = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert log.returncode == 0, log.stderr
+    lines = log.stdout.splitlines()
+    assert any(f"{kind} (10)" in ln for ln in lines) and max(map(len, lines)) <= 120
+    assert "B is above A by 60.0 points on 10 paired games (McNemar p = 0.0312 < 0.05)" in lines
+    narrow = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env | {"COLUMNS": "80"})
+    assert kind not in narrow.stdout and max(map(len, narrow.stdout.splitlines())) <= 80
+
+
 def test_compare_pools_several_evals_of_one_side_per_game(tmp_path):
     """`agentrl compare A B1 B2`: two seeds of one policy against a reference, a game counting as
     the share of B's evals that won it; B's evals must hold the same games."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -18,8 +19,21 @@ from agentrl.specs import _SHORT
 from agentrl.stats import eval_text, learning_verdict, warm_start_verdict, wilson
 from agentrl.train.totals import run_totals
 
-console = Console()
-err = Console(stderr=True)
+LOG_WIDTH = 120  # a log's columns: the tables' task-type names and a progress line fit on one line
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that is rich's own on a terminal; in a log (`| tee`, `> log`) with no COLUMNS set,
+    LOG_WIDTH columns instead of rich's 80, which cut task types to `pick_…` and wrapped every
+    progress line. Decided at import, as the process starts (its streams already redirected)."""
+    probe = Console(stderr=stderr)
+    if probe.is_terminal or "COLUMNS" in os.environ:
+        return probe
+    return Console(stderr=stderr, width=LOG_WIDTH)
+
+
+console = _console()
+err = _console(stderr=True)
 
 
 class LineProgress(Progress):
