@@ -26,10 +26,10 @@ def _console(stderr: bool = False) -> Console:
     """A console that is rich's own on a terminal; in a log (`| tee`, `> log`) with no COLUMNS set,
     LOG_WIDTH columns instead of rich's 80, which cut task types to `pick_…` and wrapped every
     progress line. Decided at import, as the process starts (its streams already redirected)."""
-    probe = Console(stderr=stderr)
-    if probe.is_terminal or "COLUMNS" in os.environ:
-        return probe
-    return Console(stderr=stderr, width=LOG_WIDTH)
+    c = Console(stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c.width = LOG_WIDTH
+    return c
 
 
 console = _console()
