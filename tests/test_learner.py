@@ -253,6 +253,25 @@ def test_a_cut_group_zeroed_in_the_batch_leaves_the_update_the_ungated_one(tiny_
         assert sc.grad_l2_norm == pytest.approx(2 * sa.grad_l2_norm, rel=1e-5)
 
 
+def test_the_steps_mean_loss_and_gradient_norm_cover_every_optimizer_step(tiny_model, four):
+    """`loss`/`grad_l2_norm` stay the first step's (comparable with single-step runs); `loss_mean`,
+    `grad_l2_norm_mean` and `_max` are over every step the update took, read here from the real
+    learner's own step results; with one step all three equal the first's."""
+    batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
+    ppo = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2))
+    results, real_step = [], ppo.step
+    ppo.step = lambda *a, **k: results.append(real_step(*a, **k)) or results[-1]
+    stats = ppo.update(batch)
+    assert len(results) == stats.optimizer_steps == 4 and all(r.stepped for r in results)
+    assert (stats.loss, stats.grad_l2_norm) == (results[0].loss, results[0].grad_norm)
+    assert stats.loss_mean == pytest.approx(sum(r.loss for r in results) / 4, rel=1e-12)
+    assert stats.grad_l2_norm_mean == pytest.approx(sum(r.grad_norm for r in results) / 4, rel=1e-12)
+    assert stats.grad_l2_norm_max == max(r.grad_norm for r in results)
+    assert len({r.grad_norm for r in results}) > 1  # the steps differ: the mean is not the first's
+    one = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)).update(batch)
+    assert one.loss_mean == one.loss and one.grad_l2_norm_mean == one.grad_l2_norm == one.grad_l2_norm_max
+
+
 def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):
     batch = [(t, a) for t, a in zip(four, (1.0, -1.0, 0.0, 0.5))]
     a, b = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)), LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, clip=0.05))

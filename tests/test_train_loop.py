@@ -21,7 +21,7 @@ from agentrl.train.prerun import prepare_run, start_run
 
 ITERATION_FIELDS = {
     "iteration", "groups", "groups_cut", "zero_variance_groups", "zero_variance_all_fail", "zero_variance_all_success",
-    "zero_adv_fraction", "grad_l2_norm", "loss", "train_reward", "train_success", "step_tokens_generated", "step_tokens_trained",
+    "zero_adv_fraction", "grad_l2_norm", "loss", "loss_mean", "grad_l2_norm_mean", "grad_l2_norm_max", "train_reward", "train_success", "step_tokens_generated", "step_tokens_trained",
     "rollout_s", "train_s", "swap_s", "eval_s", "adapter_version", "logprob_gap",
 }
 
@@ -68,7 +68,7 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_actor_dir):
-    from agentrl.cli.display import phase_label
+    from agentrl.cli.display import metrics_line, phase_label
     from agentrl.train.loop import Hooks
 
     run, phases = tmp_path / "run", []
@@ -87,6 +87,9 @@ def test_train_writes_metrics_checkpoints_and_swaps_adapters(tmp_path, tiny_acto
     for r in its:  # every group has reward variance (scripted), so every iteration updates
         assert r["zero_variance_groups"] == 0 and r["step_tokens_trained"] > 0 and r["grad_l2_norm"] > 0
         assert r["logprob_gap"] < 1e-3  # the sampler used exactly the adapter the learner had: same log-probs
+        # one optimizer step: its mean is itself, and the console line says nothing more
+        assert r["loss_mean"] == r["loss"] and r["grad_l2_norm_mean"] == r["grad_l2_norm"] == r["grad_l2_norm_max"]
+        assert "steps:" not in metrics_line(r, 3)
     assert its[-1]["adapter_version"] == 3
     for before, row in zip([0] + [r["adapter_version"] for r in its], its):  # each rollout used the latest version
         assert row["rollout_adapter_versions"] == [before]
@@ -99,19 +102,25 @@ def test_resume_continues_exactly(tmp_path, tiny_actor_dir):
     """2 iterations, stop, resume to 4 == 4 iterations straight (tasks, samples, losses, weights),
     with the learner taking several clipped steps per iteration (2 epochs x 2 minibatches: the
     minibatch order and the optimizer's moments must resume too)."""
+    from agentrl.cli.display import metrics_line
+
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     ppo = {"learner.epochs": 2, "learner.minibatches": 2, "learner.lr": 5e-3}
     run_train(straight, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}, **ppo))
     run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 2}, **ppo))
     run_train(resumed, tiny_cfg(tiny_actor_dir, **{"train.iterations": 4}, **ppo), resume=True)
-    keys = ("loss", "grad_l2_norm", "train_reward", "step_tokens_generated", "step_tokens_trained", "adapter_version",
-            "optimizer_steps", "clip_fraction")
+    keys = ("loss", "grad_l2_norm", "loss_mean", "grad_l2_norm_mean", "grad_l2_norm_max", "train_reward",
+            "step_tokens_generated", "step_tokens_trained", "adapter_version", "optimizer_steps", "clip_fraction")
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["adapter_version"] for r in a if r["kind"] == "iteration"] == [1, 2, 3, 4]  # four real updates
     assert [r["optimizer_steps"] for r in a if r["kind"] == "iteration"] == [4, 4, 4, 4]
     assert [r["kind"] for r in a if r["kind"] == "iteration"] == [r["kind"] for r in b if r["kind"] == "iteration"]
     for x, y in zip([r for r in a if r["kind"] == "iteration"], [r for r in b if r["kind"] == "iteration"]):
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}
+        assert x["grad_l2_norm_max"] >= x["grad_l2_norm_mean"] > 0
+        # the console line's loss and |g| are the first step's; beside them the 4 steps' own
+        assert (f"4 steps: loss mean {x['loss_mean']:+.4f} |g| mean {x['grad_l2_norm_mean']:.3f} "
+                f"max {x['grad_l2_norm_max']:.3f}") in metrics_line(x, 4)
     assert [r["success"] for r in a if r["kind"] == "eval"] == [r["success"] for r in b if r["kind"] == "eval"]
     wa = load_file(str(straight / "checkpoints" / "it00004" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(resumed / "checkpoints" / "it00004" / "adapter" / "adapter_model.safetensors"))

@@ -314,8 +314,13 @@ def metrics_line(row: dict, iterations: int) -> str:
 
 
 def learner_notes(row: dict) -> str:
-    """The KL penalty (and its coefficient in the field's unit: per action token) and the success replay."""
+    """Over several optimizer steps the steps' mean loss and |g| (and the largest |g|: the line's own
+    are the first step's); the KL penalty (and its coefficient in the field's unit: per action token)
+    and the success replay."""
     out = ""
+    if (row.get("optimizer_steps") or 0) > 1 and row.get("grad_l2_norm_mean") is not None:
+        out += (f"  {row['optimizer_steps']} steps: loss mean {row['loss_mean']:+.4f} |g| mean "
+                f"{row['grad_l2_norm_mean']:.3f} max {row['grad_l2_norm_max']:.3f}")
     if row.get("kl_coef_field") is not None:
         out += f"  KL {num(row.get('kl_to_warm_start'), '.4f')} (beta {row['kl_coef_field']:.3g} per token)"
     if row.get("replay_buffer") is not None:

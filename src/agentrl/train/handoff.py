@@ -35,8 +35,8 @@ class TrainItem:
 
 @dataclass
 class UpdateStats:
-    loss: float
-    grad_l2_norm: float  # before clipping
+    loss: float  # the first optimizer step's (one step: the update's); the steps' mean is loss_mean
+    grad_l2_norm: float  # before clipping, the first step's
     trajectories: int  # in the batch (A = 0 ones included)
     step_tokens_trained: int  # action tokens with A != 0 (a trajectory with none skips forward/backward)
     logprob_gap: float | None  # mean |sampler logp - learner logp| on trained action tokens, before the update
@@ -48,6 +48,11 @@ class UpdateStats:
     kl_coef_field: float | None = None  # learner.kl_coef in the field's unit (per action token, as the policy term weighs it)
     replay_nll: float | None = None  # success replay: mean NLL per replayed action token (learner.replay_coef > 0)
     replay_buffer: int | None = None  # success replay: sequences in the buffer after this update's wins joined it
+    # over the optimizer steps taken (learner.epochs x minibatches, less skipped ones; None: none taken):
+    # with one step these equal loss and grad_l2_norm; with raft's 16 the first step is one sixteenth
+    loss_mean: float | None = None
+    grad_l2_norm_mean: float | None = None
+    grad_l2_norm_max: float | None = None
 
 
 @runtime_checkable

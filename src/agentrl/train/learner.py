@@ -417,15 +417,20 @@ class LocalLearner:
                                 sum(v[0] for v in replay), sum(v[1] for v in replay))
 
     def _stats(self, plan: UpdatePlan, records: list[_MinibatchRecord], gap: float | None, with_kl: bool) -> UpdateStats:
-        """One record of the update: the first step's loss and gradient norm (today's GRPO step), the
-        gap before any step, the steps taken, the clip and KL means over all steps."""
+        """One record of the update: the first step's loss and gradient norm (today's GRPO step) and
+        their mean (and the norm's largest) over the steps taken, the gap before any step, the steps
+        taken, the clip and KL means over all steps."""
         first = records[0]
         if not first.step.stepped:
             return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                                skipped=True, stepped=False, optimizer_steps=0)
         replay_tokens = sum(r.replay_tokens for r in records)
+        steps = [r.step for r in records if r.step.stepped]
         return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
-                           optimizer_steps=sum(r.step.stepped for r in records),
+                           optimizer_steps=len(steps),
+                           loss_mean=sum(s.loss for s in steps) / len(steps),
+                           grad_l2_norm_mean=sum(s.grad_norm for s in steps) / len(steps),
+                           grad_l2_norm_max=max(s.grad_norm for s in steps),
                            clip_fraction=sum(r.clipped for r in records) / len(records),
                            kl=sum(r.kl for r in records) / len(records) if with_kl else None,
                            kl_coef_field=sum(r.kl_field for r in records) / len(records) if with_kl else None,

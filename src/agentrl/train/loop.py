@@ -104,8 +104,12 @@ def iteration_metrics(iteration: int, rollout, batch, stats, timings: dict, adap
         "zero_variance_all_success": sum(g.rewards[0] > 0 for g in zero_var),
         "zero_adv_fraction": float(np.mean([is_zero(a) for _, a in batch])) if batch else None,
         "env_error_trajectories": len(rollout.trajectories) - len(played(rollout.trajectories)),
-        "grad_l2_norm": stats.grad_l2_norm,
+        "grad_l2_norm": stats.grad_l2_norm,  # the first optimizer step's (comparable with single-step runs)
         "loss": stats.loss,
+        # over every optimizer step of the update (learner.epochs x minibatches)
+        "loss_mean": stats.loss_mean,
+        "grad_l2_norm_mean": stats.grad_l2_norm_mean,
+        "grad_l2_norm_max": stats.grad_l2_norm_max,
         "train_reward": float(np.mean(rewards)) if rewards else None,
         # every trajectory of the iteration, a cut one as it stood at its cut (a lower bound where the gate cut:
         # train_reward above leaves the cut groups out, so it rises when a gate cuts failing groups)
