@@ -7,6 +7,7 @@ import json
 import pytest
 
 from agentrl.errors import UserError
+from agentrl.io import read_jsonl
 from agentrl.report import build_report, load_run, report_markdown
 
 CONFIG = """seed: {seed}
@@ -114,6 +115,29 @@ def test_the_pair_says_how_the_cut_groups_entered_the_loss(runs, tmp_path):
     assert "10,0.12 · cut groups in N (zero)" in report_markdown(rep)
 
 
+def test_the_grad_norm_ratio_is_of_the_steps_mean_where_both_runs_recorded_it(runs, tmp_path):
+    """An update of several optimizer steps (raft's 16) records its first step's |g| and the mean
+    over every step; the pair's ratio is of the means where both arms have them on every
+    iteration, and falls back to the first step's (which every run has) where one arm lacks them."""
+    baseline, gated = runs
+
+    def with_means(src, name, gate, mean):
+        rows = [{**r, "grad_l2_norm_mean": mean(r)} if r.get("kind") == "iteration" else r
+                for r in read_jsonl(src / "metrics.jsonl")]
+        return write_run(tmp_path / name, 7, gate, rows)
+
+    b = with_means(baseline, "b-mean", "off", lambda r: 4.0)
+    g = with_means(gated, "g-mean", '"10,0.12"', lambda r: 2.0 if r["iteration"] < 3 else 5.0)  # the first steps' ratio is 1.5
+    rep = build_report([b, g], tmp_path / "out")
+    (pair,) = rep["pairs"]
+    assert pair["grad_norm_ratio"] == pytest.approx(0.75) and pair["grad_norm_iterations"] == 3  # (2 + 2 + 5) / 3 / 4
+    assert pair["grad_norm"] == "mean over the update's steps"
+    assert "| 3 | 0.750 (steps' mean) |" in report_markdown(rep)
+
+    (pair,) = build_report([baseline, g], tmp_path / "mixed")["pairs"]  # the baseline predates the mean
+    assert pair["grad_norm_ratio"] == pytest.approx(1.5) and pair["grad_norm"] == "the update's first step"
+
+
 def test_per_run_numbers(report):
     rep, _ = report
     b, g = rep["runs"]
@@ -142,7 +166,7 @@ def test_files_and_markdown(report):
     assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(rep))
     md = (out / "report.md").read_text()
     assert md == report_markdown(rep)
-    assert ("| gated | baseline | 7 | 10,0.12 | 3 / 3 | 5.0% (3,000 → 2,850 in 3 iterations) | -20.0% | -20.0% | 3 | 1.500 | "
+    assert ("| gated | baseline | 7 | 10,0.12 | 3 / 3 | 5.0% (3,000 → 2,850 in 3 iterations) | -20.0% | -20.0% | 3 | 1.500 (first step) | "
             "+12.5 pts @3 (paired on 8, p = 1) | – → 0.250 | 4 → 1 |") in md
     assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.png"))
 

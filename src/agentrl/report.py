@@ -223,10 +223,24 @@ def find_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
     return pairs
 
 
+GRAD_NORMS = {"grad_l2_norm_mean": "mean over the update's steps", "grad_l2_norm": "the update's first step"}
+
+
+def grad_norm_key(runs: list[Run]) -> str:
+    """The gradient norm the report reads: the mean over every optimizer step of an update where
+    each run recorded it on every iteration (raft's 16 steps: the first one is a sixteenth of the
+    update), else the first step's, which every run has (runs written before the mean)."""
+    def has_mean(run: Run) -> bool:
+        return all(is_number(r.get("grad_l2_norm_mean")) for r in run.iterations if is_number(r.get("grad_l2_norm")))
+
+    return "grad_l2_norm_mean" if runs and all(map(has_mean, runs)) else "grad_l2_norm"
+
+
 def pair_summary(baseline: Run, gated: Run) -> dict:
     """The paper's Table 5 analogue: what the gate changed against the same-seed baseline."""
     b, g = run_summary(baseline), run_summary(gated)
-    b_norm, g_norm = (dict(zip(*r.series("grad_l2_norm"))) for r in (baseline, gated))
+    norm_key = grad_norm_key([baseline, gated])
+    b_norm, g_norm = (dict(zip(*r.series(norm_key))) for r in (baseline, gated))
     common = sorted(b_norm.keys() & g_norm.keys())
     b_mean, g_mean = mean(b_norm[i] for i in common), mean(g_norm[i] for i in common)
     wall_b, wall_g = b["wall_clock_s"], g["wall_clock_s"]
@@ -247,6 +261,7 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
         "groups_cut": g["groups_cut"],
         "grad_norm_ratio": g_mean / b_mean if b_mean and g_mean is not None else None,
         "grad_norm_iterations": len(common),
+        "grad_norm": GRAD_NORMS[norm_key],  # which norm the ratio is of
         "heldout_iteration": last_b["iteration"] if last_b else None,
         "heldout_delta_pts": (100 * (last_g["success"] - last_b["success"])
                               if last_b and is_number(last_b.get("success")) and is_number(last_g.get("success")) else None),
@@ -349,11 +364,12 @@ def zero_adv_grad_norm_figure(runs: list[Run], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    norm_key = grad_norm_key(runs)  # one norm for every line: mean and first step do not mix
     for run in runs:
         left.plot(*run.series("zero_adv_fraction"), marker="o", ms=3, label=label(run))
-        right.plot(*run.series("grad_l2_norm"), marker="o", ms=3, label=label(run))
+        right.plot(*run.series(norm_key), marker="o", ms=3, label=label(run))
     style(left, "share of trajectories with advantage 0", "zero-advantage fraction")
-    style(right, "gradient L2 norm (before clipping)", "gradient norm", legend_size=None)
+    style(right, "gradient L2 norm (before clipping)", f"gradient norm: {GRAD_NORMS[norm_key]}", legend_size=None)
     fig.tight_layout()
     path = save_figure(fig, out / "zero_adv_grad_norm.png")
     plt.close(fig)
@@ -441,9 +457,15 @@ def pair_row(p: dict) -> list[str]:
             f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')} ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,}"
             f" in {p['iterations_compared']} iterations)",
             fmt(p["rollout_s_change_pct"], "+.1f", "%"), fmt(p["wall_clock_change_pct"], "+.1f", "%"),
-            str(p["groups_cut"]), fmt(p["grad_norm_ratio"], ".3f"), heldout_delta(p),
+            str(p["groups_cut"]), grad_norm_ratio(p), heldout_delta(p),
             f"{fmt(p['train_success_baseline'], '.3f')} → {fmt(p['train_success_gated'], '.3f')}",
             f"{p['zero_variance_groups_baseline']} → {p['zero_variance_groups_gated']}"]
+
+
+def grad_norm_ratio(p: dict) -> str:
+    """The ratio and which norm it is of (a report.json written before the field: the first step's)."""
+    which = "steps' mean" if p.get("grad_norm") == GRAD_NORMS["grad_l2_norm_mean"] else "first step"
+    return fmt(p["grad_norm_ratio"], ".3f") + (f" ({which})" if p["grad_norm_ratio"] is not None else "")
 
 
 def heldout_delta(p: dict) -> str:
