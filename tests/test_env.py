@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from agentrl.env.alfworld import NOTHING_HAPPENS, AlfworldEnv
@@ -436,6 +437,40 @@ def test_an_eval_is_sliced_by_the_samplers_kv_budget(tiny_model, tokenizer):
     assert Generator(admissible, generator.sampler).slice_size(140, 30) == int(10.5 / longer) < 10
 
 
+def test_eval_rows_fixes_the_slices_and_refuses_what_the_kv_budget_cannot_hold(tiny_model, tokenizer):
+    """`eval.rows` (`agentrl eval --rows N`): slices of N whatever the free memory (auto's budget
+    follows it, and which episodes share a batch moves bf16 numerics: a greedy result repeats only
+    at the same slicing); more than the KV budget holds is refused in one line, not run."""
+    from agentrl.cli.display import together
+    from agentrl.config import load_config
+    from agentrl.errors import UserError
+    from agentrl.rollout.generator import Generator
+    from agentrl.rollout.plan import expected_context_tokens
+    from agentrl.sampling.compat import kv_bytes_per_token
+    from agentrl.sampling.hf import HFSampler
+
+    def generator(rows, **more):
+        cfg = load_config(None, {"env.workers": 0, "eval.rows": rows, **more})
+        per_row = expected_context_tokens(cfg, 30, tokenizer) * kv_bytes_per_token(tiny_model.config, torch.float32)
+        return Generator(cfg, HFSampler(tiny_model, tokenizer, kv_budget_gb=10.5 * per_row / (1 << 30)))
+
+    assert generator(None).slice_size(140, 30) == 10  # auto: as many as the budget holds
+    assert generator(4).slice_size(140, 30) == 4 and generator(10).slice_size(140, 30) == 10
+    assert generator(8).slice_size(8, 30) is None and generator(200).slice_size(8, 30) is None  # all together
+    with pytest.raises(UserError, match=r"eval.rows 11: the sampler's KV budget holds 10 episodes .* lower --rows"):
+        generator(11).slice_size(140, 30)
+    with pytest.raises(UserError, match="eval.rows 200: .* holds 10 episodes"):
+        generator(200).slice_size(140, 30)
+    walk = load_config(None, {"env.workers": 0, "eval.rows": 4, "eval.policy": "walkthrough"})
+    assert Generator(walk, walkthrough=True).slice_size(140, 30) == 4
+    for bad, why in ((0, "a number of episodes >= 1"), (-1, "a number of episodes >= 1"), (True, "int"), ("all", "int")):
+        with pytest.raises(UserError, match=f"eval.rows must be {why}"):
+            load_config(None, {"eval.rows": bad})
+    summary = {"overall": {"episodes": 134}, "memory": {"rows_together": 91}}
+    assert together(summary) == " · 91 of 134 episodes stepped together (--rows 91 repeats it)"
+    assert together({**summary, "memory": {"rows_together": 134}}) == "" and together({**summary, "memory": None}) == ""
+
+
 def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games):
     """summary.json's memory block: the rows stepped together, the KV plan for them, the store at
     its peak (slots x capacity x bytes per token), this process's peak resident memory; none for a
@@ -453,6 +488,11 @@ def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games
     assert memory["kv_peak_bytes"] == 2 * memory["kv_peak_capacity"] * memory["kv_bytes_per_token"] > 0
     assert memory["kv_planned_bytes"] == 2 * memory["tokens_per_row_planned"] * memory["kv_bytes_per_token"]
     assert memory["peak_rss_bytes"] > memory["kv_peak_bytes"] and memory["env_workers_peak_rss_bytes"] == 0
+    one = load_config(None, {"env.workers": 0, "eval.rows": 1})  # --rows 1: the two games one after the other
+    with Generator(one, HFSampler(tiny_model, tokenizer)) as gen:
+        result = gen.evaluate(chosen, "valid_seen", 2)
+    assert result.memory["rows_together"] == 1 and result.memory["kv_peak_slots"] == 1
+    assert [t.game.game_id for t in result.trajectories] == [g.game_id for g in chosen]
     with Generator(load_config(None, {"env.workers": 0, "eval.policy": "walkthrough"}), walkthrough=True) as gen:
         assert gen.evaluate(chosen, "valid_seen", 2).memory is None
 

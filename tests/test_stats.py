@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +155,33 @@ def test_compare_reads_a_directory_of_splits_as_one_eval(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no episodes.jsonl"):
         game_outcomes(tmp_path / "empty")
+
+
+def test_kept_outcomes_compare_as_the_eval_they_came_from(tmp_path):
+    """scripts/keep_outcomes.py: what a measurement keeps of an eval in the repo (its games'
+    outcomes, no transcripts) pairs and pools in `agentrl compare` exactly as the eval itself;
+    an episode the env failed is no outcome there, as in compare."""
+    import importlib.util
+
+    from agentrl.compare import compare, game_outcomes
+    spec = importlib.util.spec_from_file_location("keep_outcomes", Path(__file__).parents[1] / "scripts" / "keep_outcomes.py")
+    keep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(keep)
+    for split, won in (("valid_seen", {"g1"}), ("valid_unseen", {"g0", "g2"})):
+        rows = [{"task_id": f"g{i}", "split": split, "task_type": "heat", "won": f"g{i}" in won, "steps": 3,
+                 "trajectory": {"steps": ["long"]}, "stop_reason": "won" if f"g{i}" in won else "max_steps"}
+                for i in range(3)] + [{"task_id": "g9", "split": split, "task_type": "cool", "won": False,
+                                       "stop_reason": "env_error"}]
+        (tmp_path / "eval" / split).mkdir(parents=True)
+        (tmp_path / "eval" / split / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert keep.main([str(tmp_path / "eval"), str(tmp_path / "kept" / "a.jsonl")]) == 0
+    kept = [json.loads(line) for line in (tmp_path / "kept" / "a.jsonl").read_text().splitlines()]
+    assert [(r["split"], r["task_id"]) for r in kept] == [(s, f"g{i}") for s in ("valid_seen", "valid_unseen") for i in range(3)]
+    assert all(set(r) == {"split", "task_id", "task_type", "won"} for r in kept)
+    assert game_outcomes(tmp_path / "kept" / "a.jsonl") == game_outcomes(tmp_path / "eval")
+    r = compare(tmp_path / "eval", [tmp_path / "kept" / "a.jsonl", tmp_path / "eval"])["overall"]
+    assert (r["games"], r["difference_points"], r["won_only_by_a"], r["won_only_by_b"]) == (6, 0.0, [], [])
+    assert keep.main([str(tmp_path / "nope"), str(tmp_path / "x.jsonl")]) == 1 and not (tmp_path / "x.jsonl").exists()
 
 
 def test_the_run_summary_says_whether_success_moved_beyond_noise():

@@ -159,6 +159,10 @@ class EvalConfig:
     policy: str = "model"  # model | walkthrough
     max_steps: int | None = None  # None: env.max_steps
     samples: int = 0  # 0: one greedy episode per game; N: N episodes per game sampled at sampling.temperature
+    # episodes stepped together: None (auto) as many as the sampler's KV budget holds, which follows free
+    # memory; N: slices of N, refused where the budget cannot hold them. Which episodes share a batch moves
+    # the bf16 numerics, so a greedy result is repeated exactly only at the same N (summary.json's rows_together)
+    rows: int | None = None
 
 
 @dataclass
@@ -542,6 +546,8 @@ def _check_eval(c: Config) -> Checks:
         (v.samples >= 0, f"eval.samples must be >= 0 (0: greedy), got {v.samples}"),
         (v.samples == 0 or v.policy == "model", "eval.samples samples the model: use --policy model"),
         (v.max_steps is None or v.max_steps >= 1, f"eval.max_steps must be >= 1, got {v.max_steps}"),
+        (v.rows is None or v.rows >= 1,
+         f"eval.rows must be a number of episodes >= 1 (unset: as the KV budget holds), got {v.rows!r}"),
     ]
 
 

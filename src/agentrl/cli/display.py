@@ -146,6 +146,13 @@ def step_info(trajs, cut: bool = True) -> str:
 
 
 # ---------------------------------------------------------------- eval, rollout
+def together(s: dict) -> str:
+    """Where an eval ran in slices: how many episodes it stepped together, which a repeat needs to
+    give the same greedy outcomes (batches move reduced-precision numerics)."""
+    rows, episodes = (s.get("memory") or {}).get("rows_together"), s["overall"]["episodes"]
+    return f" · {rows} of {episodes} episodes stepped together (--rows {rows} repeats it)" if rows and rows < episodes else ""
+
+
 def print_summary(s: dict) -> None:
     title = f"{s['split']} · policy {s['policy']}" + (f" · model {s['model']}" if s["model"] else "")
     if s.get("samples"):
@@ -172,6 +179,7 @@ def print_summary(s: dict) -> None:
     console.print(
         f"wall {tm['wall_s']:.1f}s (generate {tm['generate_s']:.1f}s, env {tm['env_s']:.1f}s) · "
         f"{tm['s_per_step']:.2f}s per lockstep step · {tm['s_per_task']:.2f}s per task · {tm['env_steps']} env steps"
+        + together(s)
     )
     for e in s["errors"]:
         err.print(f"[yellow]skipped {e['task_id']}: {e['error']}")

@@ -29,6 +29,7 @@ def eval_cmd(
     max_steps: opt(OptInt, "eval.max_steps", "T_max per episode (default 30).") = None,
     policy: opt(str, "eval.policy", "model | walkthrough (replays each game's expert walkthrough).") = "model",
     samples: opt(OptInt, "eval.samples", "N episodes per game sampled at the training temperature instead of one greedy episode.") = None,
+    rows: opt(OptInt, "eval.rows", "Episodes stepped together (default: as many as the KV budget holds, which follows free memory). A greedy result repeats exactly at the same rows (summary.json's rows_together).") = None,
     max_new_tokens: MaxNewTokensOpt = None,
     sampler: SamplerOpt = None,
     action_space: ActionSpaceOpt = None,

@@ -33,6 +33,7 @@ from agentrl.config import Config
 from agentrl.env import env_factory, open_envs, prompt_options
 from agentrl.env.data import Game
 from agentrl.env.pool import LocalEnvs
+from agentrl.errors import UserError
 from agentrl.rollout.plan import expected_context_tokens
 from agentrl.rollout.lockstep import (LockstepConfig, ModelPolicy, Progress, Rollout, RolloutStats, WalkthroughPolicy,
                                       lockstep, run_in_slices)
@@ -159,9 +160,10 @@ class Generator:
     def evaluate(self, games: list[Game], split: str, max_steps: int, samples: int = 0, on_step=None,
                  on_reset=None, what: str = "episodes") -> EvalResult:
         """Episodes on `games`: one greedy episode each, or `samples` at the training temperature.
-        Run in slices when the sampler's KV budget cannot hold them all at once (episodes of
-        different games do not interact: same results). Refuses when the env ran none of them
-        (`what` names them in that message)."""
+        Run in slices when the sampler's KV budget cannot hold them all at once, or of `eval.rows`.
+        Episodes of different games share only their batches, but that moves reduced-precision
+        numerics: a greedy bf16 eval sliced otherwise can end a game differently (one of 134,
+        docs/evaluation.md). Refuses when the env ran none of them (`what` names them in that message)."""
         t0 = time.perf_counter()
         policy = self.policy(self.cfg.seed, greedy=not samples)
         per_game = max(1, samples)
@@ -199,10 +201,19 @@ class Generator:
 
     def slice_size(self, rows: int, max_steps: int) -> int | None:
         """Episodes an evaluation steps together: all (None), or as many as the sampler's KV budget
-        holds at once; the rest follow in further slices."""
+        holds at once (auto), or `eval.rows`, refused where the budget cannot hold them; the rest
+        follow in further slices."""
+        fixed = self.cfg.eval.rows
         if self.sampler is None or self.cfg.env.kind != "alfworld":
-            return None
-        fit = self.sampler.rows_that_fit(expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer))
+            return fixed if fixed and fixed < rows else None
+        tokens = expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer)
+        fit = self.sampler.rows_that_fit(tokens)
+        if fixed:
+            if fit is not None and fit < min(fixed, rows):
+                raise UserError(f"eval.rows {fixed}: the sampler's KV budget holds {max(fit, 0)} episodes of ~{tokens} "
+                                f"tokens at once (sampling.kv_budget_gb {self.cfg.sampling.kv_budget_gb}): lower --rows or "
+                                "raise sampling.kv_budget_gb")
+            return fixed if fixed < rows else None
         if fit is None:  # the backend manages its own KV memory
             return None
         n = max(1, fit)
