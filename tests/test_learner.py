@@ -255,8 +255,11 @@ def test_a_cut_group_zeroed_in_the_batch_leaves_the_update_the_ungated_one(tiny_
 
 def test_the_steps_mean_loss_and_gradient_norm_cover_every_optimizer_step(tiny_model, four):
     """`loss`/`grad_l2_norm` stay the first step's (comparable with single-step runs); `loss_mean`,
-    `grad_l2_norm_mean` and `_max` are over every step the update took, read here from the real
-    learner's own step results; with one step all three equal the first's."""
+    `grad_l2_norm_mean` and `_max` are over every step the update took, the norms read here from
+    the real learner's own step results; with one step all three equal the first's. A later step
+    optimises PPO's clipped surrogate (-r A), whose value is another quantity than the first step's
+    -A logp: `loss_mean` averages each step's loss in the first step's form. With the policy held
+    still (lr 0) two epochs over the whole batch read the same loss twice."""
     batch = [(four[0], 1.0), (four[1], -1.0), (four[2], 0.5), (four[3], -0.5)]
     ppo = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2, epochs=2, minibatches=2))
     results, real_step = [], ppo.step
@@ -264,12 +267,20 @@ def test_the_steps_mean_loss_and_gradient_norm_cover_every_optimizer_step(tiny_m
     stats = ppo.update(batch)
     assert len(results) == stats.optimizer_steps == 4 and all(r.stepped for r in results)
     assert (stats.loss, stats.grad_l2_norm) == (results[0].loss, results[0].grad_norm)
-    assert stats.loss_mean == pytest.approx(sum(r.loss for r in results) / 4, rel=1e-12)
     assert stats.grad_l2_norm_mean == pytest.approx(sum(r.grad_norm for r in results) / 4, rel=1e-12)
     assert stats.grad_l2_norm_max == max(r.grad_norm for r in results)
     assert len({r.grad_norm for r in results}) > 1  # the steps differ: the mean is not the first's
     one = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=1e-2)).update(batch)
     assert one.loss_mean == one.loss and one.grad_l2_norm_mean == one.grad_l2_norm == one.grad_l2_norm_max
+    still = LocalLearner(copy.deepcopy(tiny_model), cfg(lr=0.0, epochs=2, minibatches=1))
+    results.clear()
+    real_still = still.step
+    still.step = lambda *a, **k: results.append(real_still(*a, **k)) or results[-1]
+    held = still.update(batch)
+    assert held.optimizer_steps == len(results) == 2
+    assert held.loss_mean == pytest.approx(held.loss, rel=1e-5)  # -A logp at the same policy, twice
+    assert results[1].loss != pytest.approx(results[0].loss, rel=1e-2)  # the surrogate's -r A at r = 1: not it
+    assert held.grad_l2_norm_mean == pytest.approx(held.grad_l2_norm, rel=1e-5)
 
 
 def test_one_epoch_one_minibatch_is_the_update_it_always_was(tiny_model, four):

@@ -49,7 +49,9 @@ class UpdateStats:
     replay_nll: float | None = None  # success replay: mean NLL per replayed action token (learner.replay_coef > 0)
     replay_buffer: int | None = None  # success replay: sequences in the buffer after this update's wins joined it
     # over the optimizer steps taken (learner.epochs x minibatches, less skipped ones; None: none taken):
-    # with one step these equal loss and grad_l2_norm; with raft's 16 the first step is one sixteenth
+    # with one step these equal loss and grad_l2_norm; with raft's 16 the first step is one sixteenth.
+    # loss_mean averages each step's loss in the first step's form (-A logp, + KL and replay terms, at
+    # the step's policy), not the clipped surrogate a later step optimises (-r A: another number)
     loss_mean: float | None = None
     grad_l2_norm_mean: float | None = None
     grad_l2_norm_max: float | None = None

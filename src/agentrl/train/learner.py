@@ -117,6 +117,10 @@ class _MinibatchRecord:
     kl_field: float | None = None  # the step's KL coefficient in the field's unit (field_kl_coef)
     replay_nll: float = 0.0  # success replay: NLL summed over the step's replayed action tokens
     replay_tokens: int = 0
+    # the step's loss in the first step's form (-A logp, + its KL and replay terms) at the step's
+    # policy: a later step optimises PPO's clipped surrogate (-r A, the same gradient at r = 1), whose
+    # value is another quantity, so the update's loss_mean averages this instead
+    pg_loss: float | None = None
 
 
 class LocalLearner:
@@ -388,9 +392,13 @@ class LocalLearner:
             if old is None:
                 loss, c = grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=plan.n_total * share,
                                     tokens_total=plan.tokens_total * share), 0.0
+                surrogate_excess = 0.0
             else:
                 loss, c = clipped_loss(logp, self._stack(old, part_idx, width), mask, adv, cfg.clip, cfg.loss_agg,
                                        n_total=plan.n_total * share, tokens_total=plan.tokens_total * share)
+                with torch.no_grad():  # what this part's loss would read in the first step's form (pg_loss)
+                    surrogate_excess = float(loss) - float(grpo_loss(logp, mask, adv, cfg.loss_agg, n_total=plan.n_total * share,
+                                                                     tokens_total=plan.tokens_total * share))
             kl = 0.0
             if ref is not None:
                 ref_logp = self._stack(ref, part_idx, width)
@@ -402,33 +410,34 @@ class LocalLearner:
                     loss = loss + cfg.kl_coef * kl_part / kl_tokens
                 kl = float(kl_part.detach())
             gap = float(((logp.detach() - sampler_logp).abs() * mask).sum()) if measure_gap else 0.0
-            return loss, (float(c) * float(mask.sum()), kl, gap)
+            return loss, (float(c) * float(mask.sum()), kl, gap, surrogate_excess)
 
         parts = [[[idx[j] for j in row] for row in rows]
                  for rows in self.micro_batches([len(sequences[i]) for i in idx])]
         replay_parts, replay_fn = self.replay.parts_and_loss(self, list(replayed)) if self.replay else ([], None)
         result = self.step(parts + replay_parts, _with_replay(loss_fn, replay_fn), cfg.grad_clip)
-        clip_n = kl_sum = gap_sum = 0.0
-        for c, kl, gap in result.values[: len(parts)]:  # summed in order, as the micro-batches ran
-            clip_n, kl_sum, gap_sum = clip_n + c, kl_sum + kl, gap_sum + gap
+        clip_n = kl_sum = gap_sum = excess = 0.0
+        for c, kl, gap, e in result.values[: len(parts)]:  # summed in order, as the micro-batches ran
+            clip_n, kl_sum, gap_sum, excess = clip_n + c, kl_sum + kl, gap_sum + gap, excess + e
         step_tokens = max(1, sum(sum(plan.work[i][0].action_mask) for i in idx))
         replay = result.values[len(parts):]
         return _MinibatchRecord(result, clip_n / step_tokens, kl_sum / step_tokens, gap_sum, kl_field,
-                                sum(v[0] for v in replay), sum(v[1] for v in replay))
+                                sum(v[0] for v in replay), sum(v[1] for v in replay), pg_loss=result.loss - excess)
 
     def _stats(self, plan: UpdatePlan, records: list[_MinibatchRecord], gap: float | None, with_kl: bool) -> UpdateStats:
         """One record of the update: the first step's loss and gradient norm (today's GRPO step) and
-        their mean (and the norm's largest) over the steps taken, the gap before any step, the steps
-        taken, the clip and KL means over all steps."""
+        their mean (and the norm's largest) over the steps taken (the loss in the first step's form,
+        `pg_loss`), the gap before any step, the steps taken, the clip and KL means over all steps."""
         first = records[0]
         if not first.step.stepped:
             return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                                skipped=True, stepped=False, optimizer_steps=0)
         replay_tokens = sum(r.replay_tokens for r in records)
-        steps = [r.step for r in records if r.step.stepped]
+        taken = [r for r in records if r.step.stepped]
+        steps = [r.step for r in taken]
         return UpdateStats(first.step.loss, first.step.grad_norm, plan.n_total, plan.tokens_trained, gap,
                            optimizer_steps=len(steps),
-                           loss_mean=sum(s.loss for s in steps) / len(steps),
+                           loss_mean=sum(r.pg_loss for r in taken) / len(taken),
                            grad_l2_norm_mean=sum(s.grad_norm for s in steps) / len(steps),
                            grad_l2_norm_max=max(s.grad_norm for s in steps),
                            clip_fraction=sum(r.clipped for r in records) / len(records),
