@@ -163,7 +163,7 @@ class Generator:
         Run in slices when the sampler's KV budget cannot hold them all at once, or of `eval.rows`.
         Episodes of different games share only their batches, but that moves reduced-precision
         numerics: a greedy bf16 eval sliced otherwise can end a game differently (one of 134,
-        docs/evaluation.md). Refuses when the env ran none of them (`what` names them in that message)."""
+        docs/measurements/evaluation-repeats.md). Refuses when the env ran none of them (`what` names them in that message)."""
         t0 = time.perf_counter()
         policy = self.policy(self.cfg.seed, greedy=not samples)
         per_game = max(1, samples)
