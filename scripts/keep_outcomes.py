@@ -23,7 +23,7 @@ FIELDS = ("split", "task_id", "task_type", "won")
 
 def outcomes(eval_dir: Path) -> list[dict]:
     rows = [r for f in episode_files(eval_dir) for r in read_jsonl(f) if r.get("stop_reason") != "env_error"]
-    if any(not isinstance(r.get("won"), bool) for r in rows):  # several samples of a game are kept one line each
+    if any(not isinstance(r.get("won"), bool) for r in rows):  # (with --samples N a game keeps N lines, as compare reads them)
         raise UserError(f"{eval_dir}: an episode row without a won flag")
     return sorted(({k: r.get(k) for k in FIELDS} for r in rows), key=lambda r: (r["split"] or "", r["task_id"]))
 

@@ -204,19 +204,16 @@ class Generator:
         holds at once (auto), or `eval.rows`, refused where the budget cannot hold them; the rest
         follow in further slices."""
         fixed = self.cfg.eval.rows
-        if self.sampler is None or self.cfg.env.kind != "alfworld":
-            return fixed if fixed and fixed < rows else None
-        tokens = expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer)
-        fit = self.sampler.rows_that_fit(tokens)
-        if fixed:
-            if fit is not None and fit < min(fixed, rows):
-                raise UserError(f"eval.rows {fixed}: the sampler's KV budget holds {max(fit, 0)} episodes of ~{tokens} "
-                                f"tokens at once (sampling.kv_budget_gb {self.cfg.sampling.kv_budget_gb}): lower --rows or "
-                                "raise sampling.kv_budget_gb")
-            return fixed if fixed < rows else None
-        if fit is None:  # the backend manages its own KV memory
+        planned = self.sampler is not None and self.cfg.env.kind == "alfworld"  # else nothing to plan: all, or fixed
+        tokens = expected_context_tokens(self.cfg, max_steps, self.sampler.tokenizer) if planned else None
+        fit = self.sampler.rows_that_fit(tokens) if planned else None  # None: the backend manages its own KV memory
+        if fixed and fit is not None and fit < min(fixed, rows):
+            raise UserError(f"eval.rows {fixed}: the sampler's KV budget holds {max(fit, 0)} episodes of ~{tokens} "
+                            f"tokens at once (sampling.kv_budget_gb {self.cfg.sampling.kv_budget_gb}): lower --rows or "
+                            "raise sampling.kv_budget_gb")
+        if not fixed and fit is None:
             return None
-        n = max(1, fit)
+        n = fixed or max(1, fit)
         return n if n < rows else None
 
     # ---------------------------------------------------------------- weights and lifecycle
