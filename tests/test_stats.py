@@ -224,3 +224,48 @@ def test_eval_with_samples_runs_n_episodes_per_game_and_bootstraps_over_games(tm
     shares, _ = game_outcomes(tmp_path / "e")
     assert len(shares) == 4 and all(v in (0.0, 1 / 3, 2 / 3, 1.0) for v in shares.values())
     assert sum(shares.values()) * 3 == pytest.approx(s["overall"]["won"])
+
+
+def test_seed_interval_by_hand():
+    """The mean of the seeds' differences and its Student t interval: zero's three seeds in
+    docs/measurements/tier3.md (-0.4, -2.2, -0.4 points): sd = sqrt(1.08), t(0.975, 2) = 4.3027."""
+    from agentrl.stats import seed_interval
+
+    r = seed_interval([-0.4, -2.2, -0.4])
+    half = 4.302652729749464 * math.sqrt(1.08) / math.sqrt(3)
+    assert r["seeds"] == 3 and r["mean"] == pytest.approx(-1.0) and r["sd"] == pytest.approx(math.sqrt(1.08))
+    assert r["ci95"] == pytest.approx((-1.0 - half, -1.0 + half))
+    assert round(r["ci95"][0], 1) == -3.6 and round(r["ci95"][1], 1) == 1.6
+    assert seed_interval([2.0])["ci95"] is None and seed_interval([1.0, 1.0])["ci95"] == pytest.approx((1.0, 1.0))
+
+
+def test_compare_pairs_two_arms_seed_by_seed(tmp_path):
+    """`agentrl compare A0 A1 A2 vs B0 B1 B2`: each side pooled per game as with several B, and
+    seed s of A paired with seed s of B, with the mean difference and a t interval over the seeds;
+    unequal seed counts, `vs` twice and an empty side are one-line errors."""
+    games = [(f"g{i}", "heat", 0) for i in range(10)]
+    wins = {"a0": {"g0", "g1"}, "a1": {"g0"}, "a2": {"g0", "g1", "g2"},
+            "b0": {"g0", "g1", "g3", "g4"}, "b1": {"g0", "g5", "g6"}, "b2": {"g0", "g1", "g2", "g3", "g4", "g7"}}
+    for name, won in wins.items():
+        write_eval(tmp_path / name, [(g, t, int(g in won)) for g, t, _ in games])
+    arms = [str(tmp_path / n) for n in ("a0", "a1", "a2")] + ["vs"] + [str(tmp_path / n) for n in ("b0", "b1", "b2")]
+    cli = [sys.executable, "-m", "agentrl.cli", "compare"]
+    proc = subprocess.run(cli + arms + ["--out", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert (r["a_evals"], r["b_evals"]) == (3, 3)
+    assert r["overall"]["success_a"] == pytest.approx(6 / 30) and r["overall"]["success_b"] == pytest.approx(13 / 30)
+    pairs = r["by_seed"]["pairs"]
+    assert [p["difference_points"] for p in pairs] == pytest.approx([20.0, 20.0, 30.0])
+    assert [(p["won_only_by_a"], p["won_only_by_b"]) for p in pairs] == [(0, 2), (0, 2), (0, 3)]
+    d = r["by_seed"]["difference_points"]  # mean 23.33, sd 5.774, t(0.975, 2) 4.3027
+    half = 4.302652729749464 * math.sqrt(100 / 3) / math.sqrt(3)
+    assert d["mean"] == pytest.approx(70 / 3) and d["ci95"] == pytest.approx((70 / 3 - half, 70 / 3 + half))
+    out = " ".join(proc.stdout.split())
+    assert "over 3 seeds, B - A: +23.3 points, 95% t interval over the seeds [+9.0, +37.7]: B is above A" in out
+    for bad, why in ((arms[:4] + arms[5:], "3 evals of A against 2 of B"), (arms[:4] + arms[3:], "`vs` twice"),
+                     (arms[:4], "nothing after `vs`")):
+        proc = subprocess.run(cli + bad, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and why in proc.stderr, proc.stderr
+    from agentrl.compare import compare
+    assert "by_seed" not in compare(tmp_path / "a0", [tmp_path / "b0", tmp_path / "b1"])  # one A: B pooled, no pairs

@@ -9,6 +9,12 @@ seeds): a game's outcome is then its mean over them. The comparison (agentrl.sta
 success of each with its 95% interval, the difference B - A in points, an exact test on the
 games one side did better on (McNemar for 0/1 outcomes, the sign test for shares) and which
 games those are; also per task type.
+
+`agentrl compare A0 A1 A2 vs B0 B1 B2`: two arms trained with the same seeds (a gated arm and
+its ungated twin, say). Each side is pooled per game as above, and seed s of A is also paired
+with seed s of B: each pair's difference and McNemar p, and their mean over the seeds with a t
+interval over the seeds (agentrl.stats.seed_interval). An interval over games holds one
+training run fixed; the one over seeds also holds how far the runs themselves move.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from pathlib import Path
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, read_jsonl_numbered
-from agentrl.stats import paired
+from agentrl.stats import paired, seed_interval
+
+SEP = "vs"  # `compare A0 A1 vs B0 B1`: the word between the two arms' seeds
 
 
 def episode_files(path: Path) -> list[Path]:
@@ -72,22 +80,64 @@ def pooled_outcomes(paths: list[Path]) -> tuple[dict[str, float], dict[str, str]
     return {g: v / len(paths) for g, v in sums.items()}, types
 
 
-def compare(a: Path, b: Path | list[Path], out: Path | None = None) -> dict:
+def split_arms(a: Path, b: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The CLI's `A B [B ...]` or `A [A ...] vs B [B ...]` as (A's evals, B's evals)."""
+    cut = [i for i, p in enumerate(b) if str(p) == SEP]
+    if not cut:
+        return [a], list(b)
+    if len(cut) > 1:
+        raise UserError(f"`{SEP}` twice: give `A [A ...] {SEP} B [B ...]`")
+    left, right = [a, *b[:cut[0]]], b[cut[0] + 1:]
+    if not right:
+        raise UserError(f"nothing after `{SEP}`: give `A [A ...] {SEP} B [B ...]`")
+    return left, right
+
+
+def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None) -> dict:
+    as_ = [a] if isinstance(a, Path) else list(a)
     bs = [b] if isinstance(b, Path) else list(b)
-    outcomes_a, types_a = game_outcomes(a)
+    if len(as_) > 1 and len(bs) > 1 and len(as_) != len(bs):
+        raise UserError(f"{len(as_)} evals of A against {len(bs)} of B: arms paired by seed need one eval per seed "
+                        "on each side, in the same order")
+    outcomes_a, types_a = pooled_outcomes(as_)
     outcomes_b, types_b = pooled_outcomes(bs)
     common = set(outcomes_a) & set(outcomes_b)
     if not common:
-        raise UserError(f"{a} and {bs[0]} share no game: a paired comparison needs the same games")
+        raise UserError(f"{as_[0]} and {bs[0]} share no game: a paired comparison needs the same games")
     types = types_a | types_b
-    result = {"a": str(a), "b": " + ".join(map(str, bs)), "b_evals": len(bs),
+    result = {"a": " + ".join(map(str, as_)), "b": " + ".join(map(str, bs)), "a_evals": len(as_), "b_evals": len(bs),
               "overall": paired(outcomes_a, outcomes_b), "by_task_type": {}}
     for tt in sorted({types[g] for g in common}):
         keep = {g for g in common if types[g] == tt}
         result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
+    if len(as_) == len(bs) > 1:
+        result["by_seed"] = by_seed(as_, bs)
     if out is not None:
         atomic_write_json(out / "compare.json", result)
     return result
+
+
+def by_seed(as_: list[Path], bs: list[Path]) -> dict:
+    """Seed s of A against seed s of B, each pair on the same games (pooled_outcomes has checked
+    that each side's evals hold the same games), and the pairs' mean difference over the seeds."""
+    pairs = []
+    for a, b in zip(as_, bs):
+        r = paired(game_outcomes(a)[0], game_outcomes(b)[0])
+        pairs.append({"a": str(a), "b": str(b)} | {k: r[k] for k in (
+            "games", "won_a", "won_b", "success_a", "success_b", "difference_points", "mcnemar_p")} | {
+            "won_only_by_a": len(r["won_only_by_a"]), "won_only_by_b": len(r["won_only_by_b"])})
+    return {"pairs": pairs, "difference_points": seed_interval([p["difference_points"] for p in pairs])}
+
+
+def seed_verdict(r: dict) -> str:
+    """One line on the arms' difference over the seeds: its mean and t interval, and whether the
+    interval leaves zero out."""
+    d = r["by_seed"]["difference_points"]
+    lo, hi = d["ci95"]
+    head = f"over {d['seeds']} seeds, B - A: {d['mean']:+.1f} points, 95% t interval over the seeds [{lo:+.1f}, {hi:+.1f}]"
+    if lo > 0 or hi < 0:
+        return head + f": B is {'above' if lo > 0 else 'below'} A"
+    return head + ": no difference beyond the seeds' spread"
 
 
 def verdict(r: dict) -> str:

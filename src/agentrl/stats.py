@@ -50,6 +50,22 @@ def bootstrap_mean(values: list[float], seed: int = 0, draws: int = 2000) -> lis
     return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
 
 
+def seed_interval(differences: list[float]) -> dict:
+    """Differences B - A of several training runs (seed s of B against seed s of A, each on the same
+    games): their mean and its 95% Student t interval over the seeds. This interval holds the
+    runs' own noise, which the interval over games of one pair leaves out; with two seeds it is
+    wide (t = 12.7), as it should be. No interval for one seed."""
+    n = len(differences)
+    mean = sum(differences) / n if n else 0.0
+    if n < 2:
+        return {"seeds": n, "mean": mean, "sd": None, "ci95": None}
+    from scipy.stats import t
+
+    sd = (sum((d - mean) ** 2 for d in differences) / (n - 1)) ** 0.5
+    half = float(t.ppf(0.975, n - 1)) * sd / n ** 0.5
+    return {"seeds": n, "mean": mean, "sd": sd, "ci95": (mean - half, mean + half)}
+
+
 def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     """Two evals as {game id: success (0/1, or a share: of N sampled episodes, or of several seeds'
     evals)} compared on the games both ran: n, each side's success, the difference B - A (points),
@@ -125,4 +141,4 @@ def warm_start_verdict(base: dict | None, evals: list[dict]) -> str | None:
 
 
 __all__ = ["bootstrap_mean", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "paired_line", "rate_text",
-           "warm_start_verdict", "wilson"]
+           "seed_interval", "warm_start_verdict", "wilson"]

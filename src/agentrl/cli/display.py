@@ -466,10 +466,12 @@ def print_report_tables(tables) -> None:
         console.print(t)
 
 
-def print_comparison(r: dict, a, b: list) -> None:
-    pooled = f" (mean of {len(b)} evals per game)" if len(b) > 1 else ""
+def print_comparison(r: dict, a: list, b: list) -> None:
+    def pooled(side: list) -> str:
+        return f" (mean of {len(side)} evals per game)" if len(side) > 1 else ""
+
     mcnemar = r["overall"]["test"] == "exact McNemar"  # 0/1 outcomes; shares get the sign test
-    t = table(f"A = {a}  ·  B = {r['b']}{pooled}", ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", *(
+    t = table(f"A = {r['a']}{pooled(a)}  ·  B = {r['b']}{pooled(b)}", ("games", "A won", "A 95% CI", "B won", "B 95% CI", "B - A", *(
               ("only A", "only B", "McNemar p") if mcnemar else ("A better", "B better", "sign test p"))), left=("games",))
 
     def ci(c) -> str:
@@ -483,6 +485,22 @@ def print_comparison(r: dict, a, b: list) -> None:
     o = r["overall"]
     if o["only_in_a"] or o["only_in_b"]:
         err.print(f"[yellow]compared the {o['games']} games both ran; {o['only_in_a']} only in A and {o['only_in_b']} only in B left out")
+    if "by_seed" in r:
+        print_seed_pairs(r["by_seed"])
+
+
+def print_seed_pairs(s: dict) -> None:
+    """`compare A0 A1 vs B0 B1`: each seed's pair, then the mean over seeds with its t interval."""
+    t = table("seed by seed (A's eval i against B's eval i)", ("pair", "games", "A won", "B won", "B - A", "only A",
+                                                              "only B", "McNemar p"), left=("pair",))
+    for i, p in enumerate(s["pairs"]):
+        t.add_row(f"{p['a']} → {p['b']}", str(p["games"]), str(p["won_a"]), str(p["won_b"]),
+                  f"{p['difference_points']:+.1f}", str(p["won_only_by_a"]), str(p["won_only_by_b"]), f"{p['mcnemar_p']:.3g}")
+    d = s["difference_points"]
+    lo, hi = d["ci95"]
+    t.add_row(f"mean of {d['seeds']} (t interval)", "", "", "", f"{d['mean']:+.1f} [{lo:+.1f}, {hi:+.1f}]", "", "", "",
+              style="bold")
+    console.print(t)
 
 
 # ---------------------------------------------------------------- doctor, data

@@ -14,7 +14,7 @@ from agentrl.cli.app import app, data_app, model_app
 from agentrl.cli.display import (console, print_analysis, print_checks, print_comparison, print_games, print_report_tables,
                                  progress_bar, replay_lines)
 from agentrl.cli.options import ConfigOpt, DataOpt, EnvWorkersOpt, OptInt, opt, overrides
-from agentrl.compare import compare, verdict
+from agentrl.compare import compare, seed_verdict, split_arms, verdict
 from agentrl.config import OPTIONAL_SPLITS, SPLITS, load_config
 from agentrl.doctor import run_checks
 from agentrl.env import EnvsOnDemand, find_games
@@ -69,13 +69,16 @@ def report_cmd(
 @app.command("compare")
 def compare_cmd(
     a: Annotated[Path, typer.Argument(metavar="A", help="An `agentrl eval` output directory (or its episodes.jsonl, or a directory of them, one per split): the reference.")],
-    b: Annotated[list[Path], typer.Argument(metavar="B", help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it.")],
+    b: Annotated[list[Path], typer.Argument(metavar="B", help="Another eval of the same games; several (one policy, several seeds) are pooled: a game counts as the share of them that won it. `A0 A1 vs B0 B1`: two arms' seeds, paired seed by seed as well.")],
     out: Annotated[Optional[Path], typer.Option(help="Also write compare.json here.")] = None,
 ) -> None:
-    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only (several B: seeds, pooled per game)."""
-    r = compare(a, b, out)
-    print_comparison(r, a, b)
+    """Two evals of the same games, paired: success with 95% intervals, difference, exact McNemar p, games won by one only (several B: seeds, pooled per game; `A0 A1 vs B0 B1`: also seed by seed, with a t interval over the seeds)."""
+    as_, bs = split_arms(a, b)
+    r = compare(as_, bs, out)
+    print_comparison(r, as_, bs)
     console.print(verdict(r["overall"]))
+    if "by_seed" in r:
+        console.print(seed_verdict(r))
     if out is not None:
         console.print(f"wrote {out / 'compare.json'}")
 
