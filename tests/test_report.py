@@ -283,3 +283,44 @@ def test_the_curve_starts_at_the_base_model(tmp_path):
     assert r["initial_heldout"] == "75.0% [46.8, 91.1] of 12"  # iteration 0 is still the warm start's eval
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| base model | 0.0% [0.0, 24.2] of 12 |" in md and "- run: held-out success, base model -> warm start" in md
+
+
+def test_table5_pooled_over_seeds(tmp_path):
+    """Three seeds of a baseline and a gated arm: step-tokens saved over all six iterations with a
+    bootstrap over them, the held-out differences' mean with a t interval over the seeds; a gate
+    setup at one seed only (the `zero` arm) and a setup with a seed twice are not pooled."""
+    import math
+    import shutil
+
+    from agentrl.stats import bootstrap_saved
+
+    gated_tokens = {7: (600, 800), 8: (700, 700), 9: (500, 900)}
+    finals = {7: (0.5, 0.625), 8: (0.5, 0.5), 9: (0.25, 0.5)}  # (baseline, gated) held-out at iteration 2
+    dirs = []
+    for seed, tokens in gated_tokens.items():
+        b, g = finals[seed]
+        dirs.append(write_run(tmp_path / f"off{seed}", seed, "off", [
+            iteration(1, 100.0, 2.0, 0, 1, 0.5), iteration(2, 200.0, 2.0, 0, 1, 0.5), evaluation(2, b)]))
+        dirs.append(write_run(tmp_path / f"gated{seed}", seed, "10,nowin", [
+            iteration(1, 80.0, 2.0, 1, 1, 0.5, step_tokens_generated=tokens[0], rollout_s=10.0),
+            iteration(2, 160.0, 2.0, 1, 1, 0.5, step_tokens_generated=tokens[1], rollout_s=10.0), evaluation(2, g)]))
+    zero = shutil.copytree(tmp_path / "gated7", tmp_path / "zero7")
+    (zero / "config.yaml").write_text(CONFIG.format(seed=7, gate="10,nowin") + "advantage:\n  cut_groups: zero\n")
+    rep = build_report([*dirs, zero], tmp_path / "out")
+    assert len(rep["pairs"]) == 4
+    (pool,) = rep["seed_pools"]
+    assert (pool["gate"], pool["cut_groups"], pool["seeds"], pool["iterations_compared"]) == ("10,nowin", "drop", [7, 8, 9], 6)
+    assert (pool["step_tokens_baseline"], pool["step_tokens_gated"]) == (6000, 4200)
+    assert pool["step_tokens_saved_pct"] == pytest.approx(30.0)
+    lo, hi = bootstrap_saved([1000] * 6, [600, 800, 700, 700, 500, 900])
+    assert pool["step_tokens_saved_ci95"] == pytest.approx([100 * lo, 100 * hi]) and 10 < 100 * lo < 30 < 100 * hi < 50
+    assert bootstrap_saved([1000] * 4, [700] * 4) == pytest.approx([0.3, 0.3])  # every iteration saves 30%
+    assert pool["rollout_s_change_pct"] == pytest.approx(-50.0)  # 10 s against 20 each iteration
+    held = pool["heldout_delta_over_seeds"]  # +12.5, 0, +25: mean 12.5, sd 12.5, t(0.975, 2) 4.3027
+    half = 4.302652729749464 * 12.5 / math.sqrt(3)
+    assert pool["heldout_iteration"] == 2 and held["mean"] == pytest.approx(12.5)
+    assert held["ci95"] == pytest.approx([12.5 - half, 12.5 + half])
+    md = report_markdown(rep)
+    assert "Table 5 pooled" in md and "| 10,nowin | 7, 8, 9 | 6 | 30.0% [" in md and "+12.5 pts [-18.6, +43.6] @2 |" in md
+    again = shutil.copytree(tmp_path / "gated8", tmp_path / "gated8b")  # seed 8 twice: which pair would count?
+    assert build_report([*dirs, again], tmp_path / "out2")["seed_pools"] == []

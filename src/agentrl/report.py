@@ -4,7 +4,8 @@ A run directory (written by `agentrl train`) holds `config.yaml` (the resolved c
 `metrics.jsonl` (one "iteration" line per GRPO update, one "eval" line per held-out evaluation).
 The report gives, per run, iterations done, held-out success, wall-clock and time per iteration,
 training reward, groups cut and zero-variance groups, step-tokens; per baseline/gated pair (same
-seed, gate off vs a gate) the analogue of the paper's Table 5; and the paper's figures (held-out
+seed, gate off vs a gate) the analogue of the paper's Table 5, pooled over the seeds where one
+gate setup has several (seed_pools); and the paper's figures (held-out
 success, cumulative wall-clock, training reward, cut vs zero-variance counts (Fig. 4), zero-advantage
 fraction and gradient L2 norm (Fig. 7)) with one line per run.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import yaml
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
-from agentrl.stats import eval_text, learning_verdict, paired, warm_start_verdict
+from agentrl.stats import bootstrap_saved, eval_text, learning_verdict, paired, seed_interval, warm_start_verdict
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +279,43 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     }
 
 
+def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict]:
+    """Table 5 over seeds: the pairs of one gate setup (gate, cut groups) at two or more seeds,
+    pooled. Rollout step-tokens saved over every iteration both arms of a pair ran, with a
+    bootstrap over those iterations (an iteration's tasks are the same in both arms: the paired
+    unit); the held-out difference's mean over the seeds with a t interval over them, where every
+    pair has one at the same iteration. One pair per seed: a setup with a seed twice is left out."""
+    by_setup = defaultdict(list)
+    for (b, g), p in zip(pairs, summaries):
+        by_setup[(p["gate"], p["cut_groups"])].append((b, g, p))
+    pools = []
+    for (gate, cut_groups), items in by_setup.items():
+        seeds = [p["seed"] for *_, p in items]
+        if len(seeds) < 2 or len(set(seeds)) < len(seeds):
+            continue
+        tokens_b, tokens_g, rollout_b, rollout_g = [], [], [], []
+        for b, g, _ in items:
+            at_b, at_g = ({r["iteration"]: r for r in run.iterations} for run in (b, g))
+            for i in sorted(at_b.keys() & at_g.keys()):
+                if is_number(at_b[i].get("step_tokens_generated")) and is_number(at_g[i].get("step_tokens_generated")):
+                    tokens_b.append(at_b[i]["step_tokens_generated"])
+                    tokens_g.append(at_g[i]["step_tokens_generated"])
+                    rollout_b.append(at_b[i].get("rollout_s") or 0.0)
+                    rollout_g.append(at_g[i].get("rollout_s") or 0.0)
+        deltas = [p["heldout_delta_pts"] for *_, p in items]
+        at = {p["heldout_iteration"] for *_, p in items}
+        held = seed_interval(deltas) if all(is_number(d) for d in deltas) and len(at) == 1 else None
+        pools.append({
+            "gate": gate, "cut_groups": cut_groups, "seeds": sorted(seeds), "iterations_compared": len(tokens_b),
+            "step_tokens_baseline": sum(tokens_b), "step_tokens_gated": sum(tokens_g),
+            "step_tokens_saved_pct": 100 * (1 - sum(tokens_g) / sum(tokens_b)) if sum(tokens_b) else None,
+            "step_tokens_saved_ci95": [100 * x for x in bootstrap_saved(tokens_b, tokens_g)] if sum(tokens_b) else None,
+            "rollout_s_change_pct": 100 * (sum(rollout_g) / sum(rollout_b) - 1) if sum(rollout_b) else None,
+            "heldout_iteration": at.pop() if held else None, "heldout_delta_over_seeds": held,
+        })
+    return pools
+
+
 def last_common_evals(baseline: Run, gated: Run) -> tuple[dict | None, dict | None]:
     """The two arms' held-out evals at the last iteration both evaluated; (None, None) if none."""
     at_b, at_g = ({e["iteration"]: e for e in r.evals} for r in (baseline, gated))
@@ -402,11 +441,13 @@ def build_report(runs: list[Path], out: Path | None = None) -> dict:
     loaded = [load_run(Path(p)) for p in runs]
     out = Path(out) if out is not None else default_out(runs)
     out.mkdir(parents=True, exist_ok=True)
+    pairs = find_pairs(loaded)
     rep = {
         "runs": [run_summary(r) for r in loaded],
-        "pairs": [pair_summary(b, g) for b, g in find_pairs(loaded)],
+        "pairs": [pair_summary(b, g) for b, g in pairs],
         "figures": [str(p) for p in figures(loaded, out)],
     }
+    rep["seed_pools"] = seed_pools(pairs, rep["pairs"])
     atomic_write_text(out / "report.md", report_markdown(rep))
     atomic_write_json(out / "report.json", rep)
     return rep
@@ -462,6 +503,21 @@ def pair_row(p: dict) -> list[str]:
             f"{p['zero_variance_groups_baseline']} → {p['zero_variance_groups_gated']}"]
 
 
+POOL_HEADER = ["gate", "seeds", "iterations", "rollout step-tokens saved [95% CI]", "rollout time change",
+               "held-out Δ, mean over seeds [95% t interval]"]
+
+
+def pool_row(p: dict) -> list[str]:
+    held = p["heldout_delta_over_seeds"]
+    ci = p["step_tokens_saved_ci95"]
+    return [p["gate"] + (" · cut groups in N (zero)" if p["cut_groups"] == "zero" else ""), ", ".join(map(str, p["seeds"])),
+            str(p["iterations_compared"]),
+            f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "")
+            + f" ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,})",
+            fmt(p["rollout_s_change_pct"], "+.1f", "%"),
+            f"{held['mean']:+.1f} pts [{held['ci95'][0]:+.1f}, {held['ci95'][1]:+.1f}] @{p['heldout_iteration']}" if held else "-"]
+
+
 def grad_norm_ratio(p: dict) -> str:
     """The ratio and which norm it is of (a report.json written before the field: the first step's)."""
     which = "steps' mean" if p.get("grad_norm") == GRAD_NORMS["grad_l2_norm_mean"] else "first step"
@@ -496,6 +552,9 @@ def tables(rep: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                          for c in r["curve"]]))
     if rep["pairs"]:
         out.append(("gated vs baseline, same seed (paper Table 5)", PAIR_HEADER, [pair_row(p) for p in rep["pairs"]]))
+    if rep.get("seed_pools"):
+        out.append(("gated vs baseline over seeds (Table 5 pooled; intervals: iterations resampled, t over seeds)",
+                    POOL_HEADER, [pool_row(p) for p in rep["seed_pools"]]))
     return out
 
 

@@ -50,6 +50,19 @@ def bootstrap_mean(values: list[float], seed: int = 0, draws: int = 2000) -> lis
     return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
 
 
+def bootstrap_saved(baseline: list[float], gated: list[float], seed: int = 0, draws: int = 2000) -> list[float]:
+    """95% percentile bootstrap of the share saved, 1 - sum(gated) / sum(baseline), over paired
+    units (a learning run's iterations: the same tasks in both arms), resampling the units."""
+    import numpy as np
+
+    b, g = np.asarray(baseline, dtype=float), np.asarray(gated, dtype=float)
+    if not len(b):
+        return [0.0, 0.0]
+    idx = np.random.default_rng(seed).integers(0, len(b), size=(draws, len(b)))
+    saved = 1 - g[idx].sum(axis=1) / b[idx].sum(axis=1)
+    return [float(np.quantile(saved, 0.025)), float(np.quantile(saved, 0.975))]
+
+
 def seed_interval(differences: list[float]) -> dict:
     """Differences B - A of several training runs (seed s of B against seed s of A, each on the same
     games): their mean and its 95% Student t interval over the seeds. This interval holds the
@@ -140,5 +153,5 @@ def warm_start_verdict(base: dict | None, evals: list[dict]) -> str | None:
     return paired_line(base, first, "base model", "warm start (iteration 0)")
 
 
-__all__ = ["bootstrap_mean", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "paired_line", "rate_text",
+__all__ = ["bootstrap_mean", "bootstrap_saved", "eval_text", "learning_verdict", "mcnemar_exact", "paired", "paired_line", "rate_text",
            "seed_interval", "warm_start_verdict", "wilson"]
