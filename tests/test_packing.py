@@ -173,6 +173,8 @@ def test_the_token_budget_is_sized_from_free_memory_or_taken_as_given(tiny_model
     model = copy.deepcopy(tiny_model)
     assert memory.tokens_per_microbatch(512, model, "cpu", False) == 512
     assert memory.tokens_per_microbatch(None, model, "cpu", False) is None
+    real = memory.tokens_per_microbatch("auto", model, "cpu", False)  # this machine's own reading
+    assert 64 <= real <= memory.MAX_TOKENS_PER_MICROBATCH
     per_token = memory.activation_bytes_per_token(model.config, 4, False) + memory.loss_bytes_per_token(model.config)
     for free, expected in ((2 ** 30, 2 ** 30 // per_token), (10 * per_token, 64), (10 ** 15, memory.MAX_TOKENS_PER_MICROBATCH)):
         monkeypatch.setattr(memory, "available_memory_bytes", lambda device, free=free: memory.RESERVE_BYTES + free)

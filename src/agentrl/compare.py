@@ -65,18 +65,19 @@ def game_outcomes(path: Path) -> tuple[dict[str, float], dict[str, str]]:
     return {g: sum(v) / len(v) for g, v in wins.items()}, types
 
 
-def pooled_outcomes(paths: list[Path]) -> tuple[dict[str, float], dict[str, str]]:
-    """Several evals of one policy (seeds) as one: a game's outcome is its mean over them. They
-    must hold the same games, or the mean would mix games seen by some seeds only."""
-    outcomes, types = game_outcomes(paths[0])
+def pooled_outcomes(paths: list[Path], evals: list[tuple[dict[str, float], dict[str, str]]]) -> tuple[dict[str, float], dict[str, str]]:
+    """Several evals of one policy (seeds; `evals` their game_outcomes, in the order of `paths`) as
+    one: a game's outcome is its mean over them. They must hold the same games, or the mean would
+    mix games seen by some seeds only."""
+    (outcomes, types), *more = evals
     sums = dict(outcomes)
-    for p in paths[1:]:
-        more, more_types = game_outcomes(p)
-        if set(more) != set(outcomes):
+    types = dict(types)
+    for p, (other, other_types) in zip(paths[1:], more):
+        if set(other) != set(outcomes):
             raise UserError(f"{p} and {paths[0]} hold different games: evals pooled on one side must cover the same games")
-        for g, v in more.items():
+        for g, v in other.items():
             sums[g] += v
-        types |= more_types
+        types |= other_types
     return {g: v / len(paths) for g, v in sums.items()}, types
 
 
@@ -99,8 +100,9 @@ def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None)
     if len(as_) > 1 and len(bs) > 1 and len(as_) != len(bs):
         raise UserError(f"{len(as_)} evals of A against {len(bs)} of B: arms paired by seed need one eval per seed "
                         "on each side, in the same order")
-    outcomes_a, types_a = pooled_outcomes(as_)
-    outcomes_b, types_b = pooled_outcomes(bs)
+    evals_a, evals_b = [game_outcomes(p) for p in as_], [game_outcomes(p) for p in bs]  # each file read once
+    outcomes_a, types_a = pooled_outcomes(as_, evals_a)
+    outcomes_b, types_b = pooled_outcomes(bs, evals_b)
     common = set(outcomes_a) & set(outcomes_b)
     if not common:
         raise UserError(f"{as_[0]} and {bs[0]} share no game: a paired comparison needs the same games")
@@ -111,18 +113,18 @@ def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None)
         keep = {g for g in common if types[g] == tt}
         result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
     if len(as_) == len(bs) > 1:
-        result["by_seed"] = by_seed(as_, bs)
+        result["by_seed"] = by_seed(as_, bs, [o for o, _ in evals_a], [o for o, _ in evals_b])
     if out is not None:
         atomic_write_json(out / "compare.json", result)
     return result
 
 
-def by_seed(as_: list[Path], bs: list[Path]) -> dict:
+def by_seed(as_: list[Path], bs: list[Path], outcomes_a: list[dict], outcomes_b: list[dict]) -> dict:
     """Seed s of A against seed s of B, each pair on the same games (pooled_outcomes has checked
     that each side's evals hold the same games), and the pairs' mean difference over the seeds."""
     pairs = []
-    for a, b in zip(as_, bs):
-        r = paired(game_outcomes(a)[0], game_outcomes(b)[0])
+    for a, b, oa, ob in zip(as_, bs, outcomes_a, outcomes_b):
+        r = paired(oa, ob)
         pairs.append({"a": str(a), "b": str(b)} | {k: r[k] for k in (
             "games", "won_a", "won_b", "success_a", "success_b", "difference_points", "mcnemar_p")} | {
             "won_only_by_a": len(r["won_only_by_a"]), "won_only_by_b": len(r["won_only_by_b"])})

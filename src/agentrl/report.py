@@ -140,9 +140,9 @@ def mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def total(run: Run, key: str, iterations: set[int] | None = None) -> int | float:
-    """The sum of key over the run's iterations (or over those in `iterations`)."""
-    return sum(r[key] for r in run.iterations if is_number(r.get(key)) and (iterations is None or r["iteration"] in iterations))
+def total(run: Run, key: str) -> int | float:
+    """The sum of key over the run's iterations."""
+    return sum(r[key] for r in run.iterations if is_number(r.get(key)))
 
 
 def run_summary(run: Run) -> dict:
@@ -252,8 +252,8 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     # the Tier 3 measure: rollout step-tokens (and rollout seconds) the gated arm spent against the
     # baseline's, over the iterations both ran (the same tasks; each arm's own policy samples them)
     both = {r["iteration"] for r in baseline.iterations} & {r["iteration"] for r in gated.iterations}
-    tokens_b, tokens_g = (total(r, "step_tokens_generated", both) for r in (baseline, gated))
-    rollout_b, rollout_g = (total(r, "rollout_s", both) for r in (baseline, gated))
+    tokens_b, tokens_g = map(sum, per_iteration(baseline, gated, "step_tokens_generated"))
+    rollout_b, rollout_g = map(sum, per_iteration(baseline, gated, "rollout_s"))
     return {
         "seed": gated.seed, "baseline": b["run"], "gated": g["run"], "gate": gated.gate,
         # drop (the paper's: the kept rows' step grows by sampled / kept) or zero (cut groups in N at A = 0)
@@ -279,6 +279,13 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     }
 
 
+def per_iteration(baseline: Run, gated: Run, key: str) -> tuple[list[float], list[float]]:
+    """key's values of the iterations both arms ran and recorded it, aligned (the same tasks in both)."""
+    at_b, at_g = ({r["iteration"]: r.get(key) for r in run.iterations} for run in (baseline, gated))
+    both = [i for i in sorted(at_b.keys() & at_g.keys()) if is_number(at_b[i]) and is_number(at_g[i])]
+    return [at_b[i] for i in both], [at_g[i] for i in both]
+
+
 def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict]:
     """Table 5 over seeds: the pairs of one gate setup (gate, cut groups) at two or more seeds,
     pooled. Rollout step-tokens saved over every iteration both arms of a pair ran, with a
@@ -295,13 +302,10 @@ def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict
             continue
         tokens_b, tokens_g, rollout_b, rollout_g = [], [], [], []
         for b, g, _ in items:
-            at_b, at_g = ({r["iteration"]: r for r in run.iterations} for run in (b, g))
-            for i in sorted(at_b.keys() & at_g.keys()):
-                if is_number(at_b[i].get("step_tokens_generated")) and is_number(at_g[i].get("step_tokens_generated")):
-                    tokens_b.append(at_b[i]["step_tokens_generated"])
-                    tokens_g.append(at_g[i]["step_tokens_generated"])
-                    rollout_b.append(at_b[i].get("rollout_s") or 0.0)
-                    rollout_g.append(at_g[i].get("rollout_s") or 0.0)
+            for key, into_b, into_g in (("step_tokens_generated", tokens_b, tokens_g), ("rollout_s", rollout_b, rollout_g)):
+                values_b, values_g = per_iteration(b, g, key)
+                into_b += values_b
+                into_g += values_g
         deltas = [p["heldout_delta_pts"] for *_, p in items]
         at = {p["heldout_iteration"] for *_, p in items}
         held = seed_interval(deltas) if all(is_number(d) for d in deltas) and len(at) == 1 else None

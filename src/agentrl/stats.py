@@ -68,13 +68,15 @@ def seed_interval(differences: list[float]) -> dict:
     games): their mean and its 95% Student t interval over the seeds. This interval holds the
     runs' own noise, which the interval over games of one pair leaves out; with two seeds it is
     wide (t = 12.7), as it should be. No interval for one seed."""
+    from statistics import fmean, stdev
+
     n = len(differences)
-    mean = sum(differences) / n if n else 0.0
+    mean = fmean(differences) if n else 0.0
     if n < 2:
         return {"seeds": n, "mean": mean, "sd": None, "ci95": None}
     from scipy.stats import t
 
-    sd = (sum((d - mean) ** 2 for d in differences) / (n - 1)) ** 0.5
+    sd = stdev(differences)
     half = float(t.ppf(0.975, n - 1)) * sd / n ** 0.5
     return {"seeds": n, "mean": mean, "sd": sd, "ci95": (mean - half, mean + half)}
 

@@ -493,7 +493,7 @@ def print_seed_pairs(s: dict) -> None:
     """`compare A0 A1 vs B0 B1`: each seed's pair, then the mean over seeds with its t interval."""
     t = table("seed by seed (A's eval i against B's eval i)", ("pair", "games", "A won", "B won", "B - A", "only A",
                                                               "only B", "McNemar p"), left=("pair",))
-    for i, p in enumerate(s["pairs"]):
+    for p in s["pairs"]:
         t.add_row(f"{p['a']} → {p['b']}", str(p["games"]), str(p["won_a"]), str(p["won_b"]),
                   f"{p['difference_points']:+.1f}", str(p["won_only_by_a"]), str(p["won_only_by_b"]), f"{p['mcnemar_p']:.3g}")
     d = s["difference_points"]
