@@ -479,6 +479,7 @@ def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games
     from agentrl.evaluate import summary
     from agentrl.rollout.generator import Generator
     from agentrl.sampling.hf import HFSampler
+    from agentrl.train.loop import eval_row
 
     cfg = load_config(None, {"env.workers": 0})
     chosen = [games["pick_and_place_simple"], games["look_at_obj_in_light"]]
@@ -492,6 +493,7 @@ def test_an_eval_records_its_memory_beside_its_plan(tiny_model, tokenizer, games
     with Generator(one, HFSampler(tiny_model, tokenizer)) as gen:
         result = gen.evaluate(chosen, "valid_seen", 2)
     assert result.memory["rows_together"] == 1 and result.memory["kv_peak_slots"] == 1
+    assert eval_row(result, 2, 1)["rows_together"] == 1  # train's in-run eval rows say it too (metrics.jsonl)
     assert [t.game.game_id for t in result.trajectories] == [g.game_id for g in chosen]
     with Generator(load_config(None, {"env.workers": 0, "eval.policy": "walkthrough"}), walkthrough=True) as gen:
         assert gen.evaluate(chosen, "valid_seen", 2).memory is None

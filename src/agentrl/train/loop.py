@@ -192,6 +192,8 @@ def eval_row(result: EvalResult, iteration: int, adapter_version: int) -> dict:
         "by_task_type": {k: {"episodes": v["episodes"], "success": v["success_rate"]}
                          for k, v in result.by_task_type.items() if v["episodes"]},
         "eval_s": round(result.elapsed_s, 4), "adapter_version": adapter_version,
+        # a greedy bf16 eval repeats exactly only at the same rows stepped together (summary.json's too)
+        **({"rows_together": result.memory["rows_together"]} if result.memory else {}),
         **{k: v for k, v in behaviour_metrics(result.trajectories).items() if k != "success_by_task_type"},
     }
 
