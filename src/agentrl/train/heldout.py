@@ -25,7 +25,7 @@ from agentrl.prompt import default_prompt_dir
 from agentrl.weights import WeightsRef
 
 EVALS_DIRNAME = "evals"  # under the cache root, beside warmstart/ and replay/
-EVAL_KEY_VERSION = 1  # bump when what an eval row holds, or how an eval runs, changes
+EVAL_KEY_VERSION = 2  # bump when what an eval row holds, or how an eval runs, changes (2: rows_together)
 KINDS = ("base_eval", "eval")  # the metrics rows of iteration 0: the base model's, then version 0's
 
 
