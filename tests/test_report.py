@@ -287,8 +287,10 @@ def test_the_curve_starts_at_the_base_model(tmp_path):
 
 def test_table5_pooled_over_seeds(tmp_path):
     """Three seeds of a baseline and a gated arm: step-tokens saved over all six iterations with a
-    bootstrap over them, the held-out differences' mean with a t interval over the seeds; a gate
-    setup at one seed only (the `zero` arm) and a setup with a seed twice are not pooled."""
+    bootstrap over them, the held-out differences' mean with a t interval over the seeds, the
+    gated arm's share of groups cut ranked against the ungated arm's train success (Spearman, worked
+    by hand below); a gate setup at one seed only (the `zero` arm) and a setup with a seed twice
+    are not pooled."""
     import math
     import shutil
 
@@ -296,14 +298,17 @@ def test_table5_pooled_over_seeds(tmp_path):
 
     gated_tokens = {7: (600, 800), 8: (700, 700), 9: (500, 900)}
     finals = {7: (0.5, 0.625), 8: (0.5, 0.5), 9: (0.25, 0.5)}  # (baseline, gated) held-out at iteration 2
+    success = {7: (0.2, 0.4), 8: (0.3, 0.5), 9: (0.1, 0.6)}  # the ungated arm's train success, iterations 1 and 2
+    cuts = {7: (3, 2), 8: (3, 1), 9: (4, 0)}  # groups the gate cut, of 4
     dirs = []
     for seed, tokens in gated_tokens.items():
         b, g = finals[seed]
         dirs.append(write_run(tmp_path / f"off{seed}", seed, "off", [
-            iteration(1, 100.0, 2.0, 0, 1, 0.5), iteration(2, 200.0, 2.0, 0, 1, 0.5), evaluation(2, b)]))
+            iteration(1, 100.0, 2.0, 0, 1, 0.5, train_success=success[seed][0]),
+            iteration(2, 200.0, 2.0, 0, 1, 0.5, train_success=success[seed][1]), evaluation(2, b)]))
         dirs.append(write_run(tmp_path / f"gated{seed}", seed, "10,nowin", [
-            iteration(1, 80.0, 2.0, 1, 1, 0.5, step_tokens_generated=tokens[0], rollout_s=10.0),
-            iteration(2, 160.0, 2.0, 1, 1, 0.5, step_tokens_generated=tokens[1], rollout_s=10.0), evaluation(2, g)]))
+            iteration(1, 80.0, 2.0, cuts[seed][0], 1, 0.5, step_tokens_generated=tokens[0], rollout_s=10.0, train_success=0.0),
+            iteration(2, 160.0, 2.0, cuts[seed][1], 1, 0.5, step_tokens_generated=tokens[1], rollout_s=10.0), evaluation(2, g)]))
     zero = shutil.copytree(tmp_path / "gated7", tmp_path / "zero7")
     (zero / "config.yaml").write_text(CONFIG.format(seed=7, gate="10,nowin") + "advantage:\n  cut_groups: zero\n")
     rep = build_report([*dirs, zero], tmp_path / "out")
@@ -320,7 +325,12 @@ def test_table5_pooled_over_seeds(tmp_path):
     half = 4.302652729749464 * 12.5 / math.sqrt(3)
     assert pool["heldout_iteration"] == 2 and held["mean"] == pytest.approx(12.5)
     assert held["ci95"] == pytest.approx([12.5 - half, 12.5 + half])
+    # success 0.2 0.4 0.3 0.5 0.1 0.6 -> ranks 2 4 3 5 1 6; cut share .75 .5 .75 .25 1 0 -> ranks 4.5 3 4.5 2 6 1:
+    # rank deviations' products sum to -17, their squares to 17.5 and 17 (the gated arm's own success is not read)
+    rho = pool["cut_share_vs_train_success"]
+    assert rho["points"] == 6 and rho["rho"] == pytest.approx(-17 / math.sqrt(17.5 * 17)) and rho["p"] < 0.01
     md = report_markdown(rep)
     assert "Table 5 pooled" in md and "| 10,nowin | 7, 8, 9 | 6 | 30.0% [" in md and "+12.5 pts [-18.6, +43.6] @2 |" in md
+    assert "| ρ -0.99 (p = " in md and ", 6 iterations) |" in md
     again = shutil.copytree(tmp_path / "gated8", tmp_path / "gated8b")  # seed 8 twice: which pair would count?
     assert build_report([*dirs, again], tmp_path / "out2")["seed_pools"] == []

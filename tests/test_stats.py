@@ -269,3 +269,15 @@ def test_compare_pairs_two_arms_seed_by_seed(tmp_path):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and why in proc.stderr, proc.stderr
     from agentrl.compare import compare
     assert "by_seed" not in compare(tmp_path / "a0", [tmp_path / "b0", tmp_path / "b1"])  # one A: B pooled, no pairs
+
+
+def test_rank_correlation_by_hand_and_where_there_is_no_ranking():
+    """Spearman's rho: a perfectly falling relation reads -1, a rising one +1 whatever its shape;
+    fewer than 3 points or a constant side give none (the pooled report row then prints -)."""
+    from agentrl.stats import rank_correlation
+
+    down = rank_correlation([0.1, 0.2, 0.3, 0.4], [0.9, 0.5, 0.4, 0.0])
+    assert down["points"] == 4 and down["rho"] == pytest.approx(-1.0)
+    assert rank_correlation([1, 2, 3, 4], [1, 8, 27, 64])["rho"] == pytest.approx(1.0)
+    assert rank_correlation([1, 2], [2, 1]) is None and rank_correlation([1, 2, 3], [0.5] * 3) is None
+    assert rank_correlation([0.3] * 3, [1, 2, 3]) is None

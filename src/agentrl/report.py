@@ -22,7 +22,7 @@ import yaml
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_json, atomic_write_text, read_jsonl
-from agentrl.stats import bootstrap_saved, eval_text, learning_verdict, paired, seed_interval, warm_start_verdict
+from agentrl.stats import bootstrap_saved, eval_text, learning_verdict, paired, rank_correlation, seed_interval, warm_start_verdict
 
 log = logging.getLogger(__name__)
 
@@ -279,11 +279,20 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
     }
 
 
-def per_iteration(baseline: Run, gated: Run, key: str) -> tuple[list[float], list[float]]:
-    """key's values of the iterations both arms ran and recorded it, aligned (the same tasks in both)."""
-    at_b, at_g = ({r["iteration"]: r.get(key) for r in run.iterations} for run in (baseline, gated))
+def per_iteration(baseline: Run, gated: Run, key, key_gated=None) -> tuple[list[float], list[float]]:
+    """key's values (the gated arm's: key_gated's, default the same; a key or a function of an
+    iteration line) of the iterations both arms ran and recorded them, aligned (the same tasks in both)."""
+    value_b, value_g = (k if callable(k) else (lambda r, k=k: r.get(k)) for k in (key, key_gated or key))
+    at_b = {r["iteration"]: value_b(r) for r in baseline.iterations}
+    at_g = {r["iteration"]: value_g(r) for r in gated.iterations}
     both = [i for i in sorted(at_b.keys() & at_g.keys()) if is_number(at_b[i]) and is_number(at_g[i])]
     return [at_b[i] for i in both], [at_g[i] for i in both]
+
+
+def cut_share(row: dict) -> float | None:
+    """The share of an iteration's groups the gate cut."""
+    cut, groups = row.get("groups_cut"), row.get("groups")
+    return cut / groups if is_number(cut) and is_number(groups) and groups else None
 
 
 def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict]:
@@ -291,7 +300,9 @@ def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict
     pooled. Rollout step-tokens saved over every iteration both arms of a pair ran, with a
     bootstrap over those iterations (an iteration's tasks are the same in both arms: the paired
     unit); the held-out difference's mean over the seeds with a t interval over them, where every
-    pair has one at the same iteration. One pair per seed: a setup with a seed twice is left out."""
+    pair has one at the same iteration; and the gated arm's share of groups cut against the
+    ungated arm's train success, iteration by iteration (Spearman's rho). One pair per seed: a
+    setup with a seed twice is left out."""
     by_setup = defaultdict(list)
     for (b, g), p in zip(pairs, summaries):
         by_setup[(p["gate"], p["cut_groups"])].append((b, g, p))
@@ -300,10 +311,11 @@ def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict
         seeds = [p["seed"] for *_, p in items]
         if len(seeds) < 2 or len(set(seeds)) < len(seeds):
             continue
-        tokens_b, tokens_g, rollout_b, rollout_g = [], [], [], []
+        tokens_b, tokens_g, rollout_b, rollout_g, success_b, cut_g = [], [], [], [], [], []
         for b, g, _ in items:
-            for key, into_b, into_g in (("step_tokens_generated", tokens_b, tokens_g), ("rollout_s", rollout_b, rollout_g)):
-                values_b, values_g = per_iteration(b, g, key)
+            for keys, into_b, into_g in ((("step_tokens_generated",), tokens_b, tokens_g), (("rollout_s",), rollout_b, rollout_g),
+                                         (("train_success", cut_share), success_b, cut_g)):
+                values_b, values_g = per_iteration(b, g, *keys)
                 into_b += values_b
                 into_g += values_g
         deltas = [p["heldout_delta_pts"] for *_, p in items]
@@ -316,6 +328,10 @@ def seed_pools(pairs: list[tuple[Run, Run]], summaries: list[dict]) -> list[dict
             "step_tokens_saved_ci95": [100 * x for x in bootstrap_saved(tokens_b, tokens_g)] if sum(tokens_b) else None,
             "rollout_s_change_pct": 100 * (sum(rollout_g) / sum(rollout_b) - 1) if sum(rollout_b) else None,
             "heldout_iteration": at.pop() if held else None, "heldout_delta_over_seeds": held,
+            # issue 49: how the share of groups cut moves as the policy's success rises. The ungated
+            # arm's train success: the same tasks, and a cut row cannot win later, so the gated
+            # arm's own success reads low where the gate cut
+            "cut_share_vs_train_success": rank_correlation(success_b, cut_g),
         })
     return pools
 
@@ -508,7 +524,7 @@ def pair_row(p: dict) -> list[str]:
 
 
 POOL_HEADER = ["gate", "seeds", "iterations", "rollout step-tokens saved [95% CI]", "rollout time change",
-               "held-out Δ, mean over seeds [95% t interval]"]
+               "held-out Δ, mean over seeds [95% t interval]", "groups cut vs train success (Spearman)"]
 
 
 def pool_row(p: dict) -> list[str]:
@@ -519,7 +535,8 @@ def pool_row(p: dict) -> list[str]:
             f"{fmt(p['step_tokens_saved_pct'], '.1f', '%')}" + (f" [{ci[0]:.1f}, {ci[1]:.1f}]" if ci else "")
             + f" ({p['step_tokens_baseline']:,} → {p['step_tokens_gated']:,})",
             fmt(p["rollout_s_change_pct"], "+.1f", "%"),
-            f"{held['mean']:+.1f} pts [{held['ci95'][0]:+.1f}, {held['ci95'][1]:+.1f}] @{p['heldout_iteration']}" if held else "-"]
+            f"{held['mean']:+.1f} pts [{held['ci95'][0]:+.1f}, {held['ci95'][1]:+.1f}] @{p['heldout_iteration']}" if held else "-",
+            f"ρ {rho['rho']:+.2f} (p = {rho['p']:.2g}, {rho['points']} iterations)" if (rho := p.get("cut_share_vs_train_success")) else "-"]
 
 
 def grad_norm_ratio(p: dict) -> str:

@@ -81,6 +81,17 @@ def seed_interval(differences: list[float]) -> dict:
     return {"seeds": n, "mean": mean, "sd": sd, "ci95": (mean - half, mean + half)}
 
 
+def rank_correlation(x: list[float], y: list[float]) -> dict | None:
+    """Spearman's rho of y against x with its two-sided p (scipy): whether y falls or rises as x
+    does, whatever the shape. None for fewer than 3 points or a constant side (no ranking)."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    from scipy.stats import spearmanr
+
+    r = spearmanr(x, y)
+    return {"points": len(x), "rho": float(r.statistic), "p": float(r.pvalue)}
+
+
 def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     """Two evals as {game id: success (0/1, or a share: of N sampled episodes, or of several seeds'
     evals)} compared on the games both ran: n, each side's success, the difference B - A (points),
