@@ -88,8 +88,8 @@ def rank_correlation(x: list[float], y: list[float]) -> dict | None:
         return None
     from scipy.stats import spearmanr
 
-    r = spearmanr(x, y)
-    return {"points": len(x), "rho": float(r.statistic), "p": float(r.pvalue)}
+    rho, p = spearmanr(x, y)
+    return {"points": len(x), "rho": float(rho), "p": float(p)}
 
 
 def paired(a: dict[str, float], b: dict[str, float]) -> dict:
