@@ -282,7 +282,10 @@ def pair_summary(baseline: Run, gated: Run) -> dict:
 def per_iteration(baseline: Run, gated: Run, key, key_gated=None) -> tuple[list[float], list[float]]:
     """key's values (the gated arm's: key_gated's, default the same; a key or a function of an
     iteration line) of the iterations both arms ran and recorded them, aligned (the same tasks in both)."""
-    value_b, value_g = (k if callable(k) else (lambda r, k=k: r.get(k)) for k in (key, key_gated or key))
+    def value(k):
+        return k if callable(k) else lambda r: r.get(k)
+
+    value_b, value_g = value(key), value(key_gated or key)
     at_b = {r["iteration"]: value_b(r) for r in baseline.iterations}
     at_g = {r["iteration"]: value_g(r) for r in gated.iterations}
     both = [i for i in sorted(at_b.keys() & at_g.keys()) if is_number(at_b[i]) and is_number(at_g[i])]
