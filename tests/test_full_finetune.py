@@ -334,7 +334,9 @@ def test_a_killed_full_fine_tuning_warm_start_continues_to_the_same_weights(tmp_
                                                                              data_root):
     """`agentrl sft` with learner.lora_r 0 SIGKILLed in optimizer step 2 of 4 (AGENTRL_FAULT),
     checkpointing every step (every weight and AdamW's state): the same command continues at step
-    1 and writes the uninterrupted run's weights (the module's full warm start) bit for bit."""
+    1 and writes the uninterrupted run's weights (the module's full warm start) bit for bit. The
+    command runs under mimalloc on Linux (procmem.py), the in-process warm start on glibc: the
+    allocator changes no number."""
     import json
     import os
     import subprocess
@@ -355,4 +357,6 @@ def test_a_killed_full_fine_tuning_warm_start_continues_to_the_same_weights(tmp_
     assert again.returncode == 0, again.stderr
     a, b = load_file(str(out / "model.safetensors")), load_file(str(full_warm_start[0] / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((out / "agentrl.json").read_text())["sft"]["resumed_at_steps"] == [1]
+    summary = json.loads((out / "agentrl.json").read_text())
+    assert summary["sft"]["resumed_at_steps"] == [1]
+    assert summary["allocator"] == ("mimalloc" if sys.platform.startswith("linux") else "glibc")

@@ -170,3 +170,57 @@ def test_the_threshold_reaches_child_processes_and_can_be_left_alone(monkeypatch
     if sys.platform.startswith("linux"):
         assert procmem.return_freed_memory() is True
         assert os.environ[procmem.ENV] == str(procmem.THRESHOLD_BYTES)
+
+
+# ---------------------------------------------------------------- the allocator a command runs under
+ENTRY = [sys.executable, "-m", "agentrl.cli"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD")
+def test_sft_starts_again_under_mimalloc_and_other_commands_only_when_asked():
+    """`agentrl sft` is started again through the CLI's entry with the cmeel-mimalloc wheel's
+    library preloaded and freed pages kept (no purge); other commands run as they are unless
+    AGENTRL_MALLOC=mimalloc; AGENTRL_MALLOC=glibc, or the command already started again, never."""
+    from agentrl import procmem
+
+    library = procmem.mimalloc_library()
+    assert library is not None and Path(library).is_file()  # a dependency on Linux (pyproject.toml)
+    argv, env = procmem.allocator_exec(["-v", "sft", "--out", "x"], {"LD_PRELOAD": "/other.so"}, ENTRY)
+    assert argv == [*ENTRY, "-v", "sft", "--out", "x"]
+    assert env["LD_PRELOAD"] == f"{library} /other.so" and env["MIMALLOC_PURGE_DELAY"] == "-1"
+    assert procmem.allocator_exec(["sft"], {"MIMALLOC_PURGE_DELAY": "100"}, ENTRY)[1]["MIMALLOC_PURGE_DELAY"] == "100"
+    assert procmem.allocator_exec(["train", "--sft"], {}, ENTRY) is None  # a flag is not the command
+    assert procmem.allocator_exec(["train"], {"AGENTRL_MALLOC": "mimalloc"}, ENTRY) is not None
+    assert procmem.allocator_exec(["sft"], {"AGENTRL_MALLOC": "glibc"}, ENTRY) is None
+    assert procmem.allocator_exec(["sft"], {"AGENTRL_MALLOC": "fixed"}, ENTRY) is None  # what sft ran on before
+    assert procmem.allocator_exec(["sft"], {procmem.EXEC_MARK: "1"}, ENTRY) is None
+
+
+STARTED_AGAIN = """
+import sys
+from agentrl import procmem
+before = procmem.allocator()
+procmem.exec_allocator([sys.executable, "-c", "from agentrl import procmem; import sys; "
+                        "print(procmem.allocator(), procmem.return_freed_memory(), sys.argv[1:])"])
+print("ran as it was", before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD")
+def test_the_command_started_again_runs_on_mimalloc_and_leaves_glibcs_threshold_alone():
+    """A real exec: the process `sft` starts runs on mimalloc with its arguments, where glibc's
+    mmap threshold would not reach malloc (return_freed_memory: False); `eval` runs as it was."""
+    env = {"PATH": "/usr/bin:/bin", "AGENTRL_MALLOC": "", "PYTHONPATH": ":".join(sys.path)}
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-c", STARTED_AGAIN, *args], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run("sft", "--out", "x") == "mimalloc False ['sft', '--out', 'x']"
+    assert run("eval") == "ran as it was glibc"
+    env["AGENTRL_MALLOC"] = "jemalloc"  # not a choice: one line, exit 1
+    out = subprocess.run([sys.executable, "-c", STARTED_AGAIN, "sft"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "error: AGENTRL_MALLOC=jemalloc is not one of fixed, glibc, mimalloc (or unset)"]

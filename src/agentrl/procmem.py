@@ -20,6 +20,17 @@ start's steps (a micro-batch of at most sft.token_budget tokens, no checkpointin
 learner's update where its estimated peak on the reused heap fits what is free (learner.heap auto).
 
 `AGENTRL_MALLOC=glibc` leaves glibc's default alone; a MALLOC_MMAP_THRESHOLD_ the user set wins.
+
+A long `agentrl sft` outgrows glibc's heap either way: its steps' tensors (MiBs, a new size every
+step) free into one large bin kept sorted by size, and small allocations that outlive a step pin
+the freed space apart, so each malloc walks a list that lengthens all run. Measured on the 2-core
+CPU (docs/measurements/sft-allocator.md): a warm start on every train game went from ~10 to 20-24 s
+a step within 70 minutes, 37% of its samples in `_int_malloc`. So `agentrl sft` runs under
+mimalloc (the cmeel-mimalloc wheel) where it is installed: `exec_allocator()`, called by the console
+script before anything else, starts the command again with the library in LD_PRELOAD, its freed
+memory kept for reuse rather than returned (MIMALLOC_PURGE_DELAY=-1: the default 10 ms faulted 1.2 M
+pages a minute back in). `AGENTRL_MALLOC=mimalloc` asks for it on any command; `fixed` keeps every command on glibc with the
+fixed threshold (what `agentrl sft` ran on before), `glibc` on glibc's own default.
 """
 
 from __future__ import annotations
@@ -38,8 +49,9 @@ _fixed: dict = {}  # set by return_freed_memory: {"libc": CDLL, "threshold": byt
 
 
 def return_freed_memory() -> bool:
-    """Fix glibc's mmap threshold for this process and the processes it starts; True if set here."""
-    if os.environ.get("AGENTRL_MALLOC") == "glibc" or sys.platform != "linux":
+    """Fix glibc's mmap threshold for this process and the processes it starts; True if set here
+    (not under mimalloc, whose malloc glibc's settings do not reach)."""
+    if os.environ.get("AGENTRL_MALLOC") == "glibc" or sys.platform != "linux" or allocator() != "glibc":
         return False
     os.environ.setdefault(ENV, str(THRESHOLD_BYTES))  # env workers and a learner process read it at their start
     try:
@@ -73,3 +85,66 @@ def reused_heap():
             libc.mallopt(M_MMAP_THRESHOLD, _fixed["threshold"])
             libc.mallopt(M_TRIM_THRESHOLD, int(os.environ.get("MALLOC_TRIM_THRESHOLD_", TRIM_BYTES)))
             libc.malloc_trim(0)
+
+
+# ---------------------------------------------------------------- the allocator a command runs under
+MIMALLOC_COMMANDS = ("sft",)  # measured there (the module's docstring); any command: AGENTRL_MALLOC=mimalloc
+CHOICES = ("", "fixed", "glibc", "mimalloc")  # AGENTRL_MALLOC's values ("": mimalloc for sft, else fixed)
+EXEC_MARK = "AGENTRL_MALLOC_EXEC"  # set in the command started again: never a second time
+
+
+def allocator() -> str:
+    """The malloc this process runs on: `mimalloc` (preloaded) or `glibc` (anything else)."""
+    try:
+        return "mimalloc" if hasattr(ctypes.CDLL(None), "mi_version") else "glibc"
+    except OSError:
+        return "glibc"
+
+
+def mimalloc_library() -> str | None:
+    """The shared library the cmeel-mimalloc wheel installs, or None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("cmeel-mimalloc")
+    except metadata.PackageNotFoundError:
+        return None
+    found = sorted(str(dist.locate_file(f)) for f in dist.files or () if f.name.startswith("libmimalloc.so."))
+    return next((f for f in found if os.path.isfile(f)), None)
+
+
+def allocator_exec(args: list[str], environ, entry: list[str]) -> tuple[list[str], dict] | None:
+    """How to start the command `args` (argv less the program) again under mimalloc, through
+    `entry` (the argv that starts the CLI), with which environment; None to run as it is: not
+    Linux, AGENTRL_MALLOC=fixed or glibc, a command not in MIMALLOC_COMMANDS (unless AGENTRL_MALLOC=mimalloc),
+    mimalloc in use already or not installed, or this is the command started again."""
+    choice = environ.get("AGENTRL_MALLOC", "")
+    command = next((a for a in args if not a.startswith("-")), None)
+    if (sys.platform != "linux" or choice in ("fixed", "glibc") or environ.get(EXEC_MARK)
+            or (choice != "mimalloc" and command not in MIMALLOC_COMMANDS)):
+        return None
+    library = mimalloc_library()
+    if library is None or allocator() == "mimalloc":
+        return None
+    env = dict(environ)
+    env["LD_PRELOAD"] = " ".join(filter(None, (library, environ.get("LD_PRELOAD"))))
+    env.setdefault("MIMALLOC_PURGE_DELAY", "-1")  # keep freed pages for the next step (no fault per tensor)
+    env[EXEC_MARK] = "1"
+    return [*entry, *args], env
+
+
+def exec_allocator(entry: list[str]) -> None:
+    """Start this process's command again under mimalloc where `allocator_exec` says so (a process
+    cannot change its malloc once running: the CLI's entry points call this first); else return."""
+    choice = os.environ.get("AGENTRL_MALLOC", "")
+    if choice not in CHOICES:
+        sys.exit(f"error: AGENTRL_MALLOC={choice} is not one of {', '.join(filter(None, CHOICES))} (or unset)")
+    start = allocator_exec(sys.argv[1:], os.environ, entry)
+    if start is None and choice == "mimalloc" and allocator() != "mimalloc" and sys.platform == "linux":
+        print("warning: AGENTRL_MALLOC=mimalloc, but the cmeel-mimalloc wheel is not installed: glibc it is",
+              file=sys.stderr)
+    if start is not None:
+        argv, env = start
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(argv[0], argv, env)

@@ -13,13 +13,21 @@ from agentrl.cli.app import app
 from agentrl.cli.display import err
 from agentrl.cli.options import REMOVED_FLAGS
 from agentrl.errors import UserError
+from agentrl.procmem import exec_allocator
 
-__all__ = ["app", "main"]
+__all__ = ["app", "console", "main"]
+
+
+def console() -> None:
+    """The `agentrl` program (and `python -m agentrl.cli`): the allocator first (procmem.py:
+    `agentrl sft` starts again under mimalloc where it is installed), then the command."""
+    exec_allocator([sys.executable, "-m", "agentrl.cli"])
+    main()
 
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        app(standalone_mode=False, prog_name="agentrl")
     except UserError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)

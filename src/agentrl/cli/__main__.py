@@ -1,3 +1,3 @@
-from agentrl.cli import main
+from agentrl.cli import console
 
-main()
+console()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from agentrl import faults
+from agentrl import faults, procmem
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, prompt_options
 from agentrl.env.data import round_robin  # noqa: F401 (tests import it from here)
@@ -377,6 +377,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
                 **({"expert": s.expert} if s.expert != "walkthrough" and won is None else {})},
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((before + time.perf_counter() - t0) / 60, 2),
+        "allocator": procmem.allocator(),  # what the minutes ran on (procmem.py: glibc's heap slows a long run)
         "recipe": run_recipe,
     }
     if resumed is not None:
