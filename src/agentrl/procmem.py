@@ -26,11 +26,12 @@ step) free into one large bin kept sorted by size, and small allocations that ou
 the freed space apart, so each malloc walks a list that lengthens all run. Measured on the 2-core
 CPU (docs/measurements/sft-allocator.md): a warm start on every train game went from ~10 to 20-24 s
 a step within 70 minutes, 37% of its samples in `_int_malloc`. So `agentrl sft` runs under
-mimalloc (the cmeel-mimalloc wheel) where it is installed: `exec_allocator()`, called by the console
-script before anything else, starts the command again with the library in LD_PRELOAD, its freed
+mimalloc (the cmeel-mimalloc wheel) where it is installed: `exec_allocator()`, called by the CLI's
+entry before anything else, starts the command again with the library in LD_PRELOAD, its freed
 memory kept for reuse rather than returned (MIMALLOC_PURGE_DELAY=-1: the default 10 ms faulted 1.2 M
-pages a minute back in). `AGENTRL_MALLOC=mimalloc` asks for it on any command; `fixed` keeps every command on glibc with the
-fixed threshold (what `agentrl sft` ran on before), `glibc` on glibc's own default.
+pages a minute back in). `AGENTRL_MALLOC=mimalloc` asks for it on any command; `fixed` keeps every
+command on glibc with the fixed threshold (what `agentrl sft` ran on before), `glibc` on glibc's
+own default. An eval gained nothing from it (minutes long; its generate calls reuse the heap).
 """
 
 from __future__ import annotations
