@@ -141,11 +141,11 @@ def exec_allocator(entry: list[str]) -> None:
     if choice not in CHOICES:
         sys.exit(f"error: AGENTRL_MALLOC={choice} is not one of {', '.join(filter(None, CHOICES))} (or unset)")
     start = allocator_exec(sys.argv[1:], os.environ, entry)
-    if start is None and choice == "mimalloc" and allocator() != "mimalloc" and sys.platform == "linux":
-        print("warning: AGENTRL_MALLOC=mimalloc, but the cmeel-mimalloc wheel is not installed: glibc it is",
-              file=sys.stderr)
     if start is not None:
         argv, env = start
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(argv[0], argv, env)
+    if choice == "mimalloc" and sys.platform == "linux" and allocator() != "mimalloc":  # asked for, not had
+        why = "the cmeel-mimalloc wheel is not installed" if mimalloc_library() is None else "its library did not load"
+        print(f"warning: AGENTRL_MALLOC=mimalloc, but {why}: running on glibc", file=sys.stderr)
