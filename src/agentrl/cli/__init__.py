@@ -8,6 +8,7 @@ import sys
 import click
 import typer
 
+import agentrl
 from agentrl.cli import run, tools  # noqa: F401  (registers the commands on app)
 from agentrl.cli.app import app
 from agentrl.cli.display import err
@@ -21,6 +22,9 @@ __all__ = ["app", "console", "main"]
 def console() -> None:
     """The `agentrl` program (and `python -m agentrl.cli`): the allocator first (procmem.py:
     `agentrl sft` starts again under mimalloc where it is installed), then the command."""
+    if agentrl.OMP_DYNAMIC_OVERRIDDEN is not None:  # turned off at import (agentrl/__init__.py): say so, once
+        print(f"warning: OMP_DYNAMIC={agentrl.OMP_DYNAMIC_OVERRIDDEN} ignored: dynamic OpenMP teams leave parts of torch's "
+              "bf16 CPU matmuls unwritten (NaN); agentrl runs with OMP_DYNAMIC=false", file=sys.stderr)
     exec_allocator([sys.executable, "-m", "agentrl.cli"])
     main()
 
