@@ -444,7 +444,7 @@ def test_every_option_sets_a_real_config_field():
             yield from fields(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [f"{prefix}{f.name}"]
 
     known = set(fields(Config()))
-    for command, n in ((run.eval_cmd, 20), (run.rollout_cmd, 25), (run.train_cmd, 47), (run.sft_cmd, 16)):
+    for command, n in ((run.eval_cmd, 20), (run.rollout_cmd, 25), (run.train_cmd, 47), (run.sft_cmd, 17)):
         paths = overrides(command, {name: None for name in command.__code__.co_varnames})
         assert set(paths) <= known and len(paths) == n, (command.__name__, set(paths) - known, len(paths))
     train = overrides(run.train_cmd, {name: None for name in run.train_cmd.__code__.co_varnames})

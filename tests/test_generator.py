@@ -66,7 +66,7 @@ def test_one_eval_record_two_projections(games):
     assert {k: v["success"] for k, v in row["by_task_type"].items()} == {k: v["success_rate"] for k, v in s["by_task_type"].items()}
     assert list(row) == ["kind", "iteration", "split", "tasks", "env_errors", "success", "won", "ci95", "outcomes",
                          "by_task_type", "eval_s", "adapter_version", "valid_action_rate", "mean_reply_tokens",
-                         "replies_cut_rate", "looped_rate", "guarded_rate", "mean_episode_steps"]
+                         "replies_cut_rate", "looped_rate", "other_object_rate", "guarded_rate", "mean_episode_steps"]
     assert (row["kind"], row["iteration"], row["adapter_version"]) == ("eval", 3, 2)
 
 

@@ -146,6 +146,34 @@ def test_an_episode_at_the_samplers_context_ends_cleanly(games, tiny_model, toke
     assert max(seen) + params.max_new_tokens <= sampler.max_model_len
 
 
+def test_an_episode_whose_first_take_is_another_object_is_counted(games):
+    """`took_another_object`: the first `take` of a real game's episode against the task's object
+    (its task directory's): the walkthrough's own is the object; one that takes something else
+    first counts, whatever it takes later; an episode that takes nothing, or a game with no task
+    directory, is left out of the rate."""
+    from agentrl.env.data import Game, task_object
+    from agentrl.rollout.trajectory import Step, Trajectory, behaviour_metrics, took_another_object
+
+    game = games["pick_and_place_simple"]
+    obj = task_object(game)
+    assert obj and obj == game.game_id.split("-")[1].lower()
+
+    def played(commands, g=game):
+        return Trajectory(g, steps=[Step(f"Action: {c}", c, c, "", False, False) for c in commands], stop_reason="max_steps")
+
+    walk = played(game.walkthrough)
+    other = played(["go to shelf 1", "take zzz 1 from shelf 1", f"take {obj} 1 from shelf 1"])
+    nothing = played(["go to shelf 1", "look"])
+    synthetic = played(["take zzz 1 from shelf 1"], Game("synthetic/0", "train", game.task_type, game.path))
+    assert took_another_object(walk) is False and took_another_object(other) is True
+    assert took_another_object(nothing) is None and took_another_object(synthetic) is None
+    assert behaviour_metrics([walk, other, nothing, synthetic])["other_object_rate"] == 0.5
+    assert behaviour_metrics([nothing])["other_object_rate"] is None
+    from agentrl.cli.display import behaviour
+
+    assert "other object 50%" in behaviour(behaviour_metrics([walk, other]))
+
+
 def test_an_episode_that_runs_out_of_steps_in_a_cycle_is_counted_as_looped(games, tokenizer):
     """`looped`: the last 12 commands repeat a cycle of at most 6 (the greedy policy's commonest
     failure). A real game played by given replies (sft's ExpertSampler): going back and forth

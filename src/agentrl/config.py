@@ -280,6 +280,10 @@ class SftConfig:
     # a game it does not win within expert_max_steps is skipped, counted)
     expert: str = "walkthrough"
     expert_max_steps: int = 50
+    # decoy visits (env/decoy.py): before the walkthrough goes to where it takes the task's object, it first
+    # visits this many other receptacles that show no such object (each `go to` played, not taught), so the
+    # policy sees what to do where its guess was wrong: move on, not take what is there (0: off)
+    decoys: int = 0
     # a checkpoint (LoRA, optimizer, lr schedule, position) in OUT.partial/ at the first optimizer step
     # this many minutes after the last (0: every step; null: none); the same command continues it.
     # How often is not part of the recipe: a resumed warm start equals an uninterrupted one
@@ -619,6 +623,11 @@ def _check_sft(c: Config) -> Checks:
         (s.expert == "walkthrough" or c.env.kind == "alfworld",
          f"sft.expert handcoded is ALFWorld's expert: it needs env.kind alfworld, got {c.env.kind!r}"),
         (s.expert_max_steps >= 1, f"sft.expert_max_steps must be >= 1, got {s.expert_max_steps}"),
+        (type(s.decoys) is int and s.decoys >= 0, f"sft.decoys must be a whole number >= 0, got {s.decoys!r}"),
+        (not s.decoys or s.expert == "walkthrough",
+         f"sft.decoys go into the walkthroughs; the {s.expert} expert searches on its own: use one"),
+        (not s.decoys or c.env.kind == "alfworld",
+         f"sft.decoys are visits in ALFWorld's rooms: they need env.kind alfworld, got {c.env.kind!r}"),
         (s.relabel_states >= 1, f"sft.relabel_states must be >= 1, got {s.relabel_states}"),
         (s.from_walkthroughs >= 0, f"sft.from_walkthroughs must be >= 0 (0: the won rollouts alone), got {s.from_walkthroughs}"),
         (s.relabel_from in ("seen", "start"), f"sft.relabel_from must be seen or start, got {s.relabel_from!r}"),

@@ -173,6 +173,9 @@ def print_summary(s: dict) -> None:
     console.print(t)
     if s["overall"].get("looped_rate"):  # a line of its own: one more column truncates the table at 80
         console.print(f"looped: {pct(s['overall']['looped_rate'])} of the episodes ran out of steps going round a cycle")
+    if s["overall"].get("other_object_rate") is not None:
+        console.print(f"other object: {pct(s['overall']['other_object_rate'])} of the episodes that took something "
+                      "took another object than the task's first")
     if s["overall"].get("guarded_rate"):
         console.print(f"loop guard: narrowed the choice at {pct(s['overall']['guarded_rate'])} of the steps")
     tm = s["timing"]
@@ -360,14 +363,15 @@ def pct(v) -> str:
 
 
 def behaviour(row: dict) -> str:
-    """valid-action rate, reply length, episode length, looped share and the loop guard's share of
-    steps (where it acted) of a metrics row."""
+    """valid-action rate, reply length, episode length, looped share, the share whose first take was
+    another object than the task's, and the loop guard's share of steps (where it acted) of a metrics row."""
     rate = row.get("valid_action_rate")
     cut = row.get("replies_cut_rate")
     return (f"valid {'-' if rate is None else f'{100 * rate:.0f}%'}  reply {num(row.get('mean_reply_tokens'), '.1f')} tok"
             f"{'' if not cut else f' ({100 * cut:.0f}% cut at max_new_tokens)'}  "
             f"episode {num(row.get('mean_episode_steps'), '.1f')} steps"
             + ("" if row.get("looped_rate") is None else f"  looped {pct(row['looped_rate'])}")
+            + ("" if row.get("other_object_rate") is None else f"  other object {pct(row['other_object_rate'])}")
             + ("" if not row.get("guarded_rate") else f"  guarded {pct(row['guarded_rate'])}"))
 
 
@@ -391,6 +395,9 @@ def sft_summary_lines(summary: dict, out) -> list[str]:
     elif s.get("skipped") and "from" not in s:
         why = "the expert did not win them" if expert else "no winning walkthrough"
         what += f" ({s['skipped']} of {s['games']} skipped: {why})"
+    if "decoys" in s:  # sft.decoys: visits played before the object's receptacle, not taught
+        d = s["decoys"]
+        what += f", {d['visits']} decoy visits in {d['decoyed']} of them ({d['plain']} as walked)"
     if s.get("init_adapter"):
         what += f", from {s['init_adapter']}"
     weights = f"LoRA r{summary['lora']['r']}" if summary["lora"]["r"] else "every weight (full fine-tuning)"

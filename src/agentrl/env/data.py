@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,11 @@ GAME_FILE = "game.tw-pddl"
 HOW_TO_GET = "get it with `agentrl data download` or point --data / ALFWORLD_DATA at an existing copy"
 
 
+# A task directory is <task_type>-<Object>-<MovableReceptacle>-<Receptacle or Toggle>-<scene>: what
+# ALFWorld's traj_data.json gives the expert as its pddl_params (the TW games ship without it).
+TASK_DIR = re.compile(r"^(?P<type>[a-z_]+)-(?P<object>[A-Za-z]+)-(?P<mrecep>[A-Za-z]+)-(?P<parent>[A-Za-z]+)-\d+$")
+
+
 @dataclass(frozen=True)
 class Game:
     """One ALFWorld game (a trial folder). `game_id` is `<task dir>/<trial>`, unique within a split."""
@@ -32,6 +38,15 @@ class Game:
     task_type: str
     path: Path
     walkthrough: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # walkthrough steps played but not taught: a decoy visit's `go to` (env/decoy.py), an arbitrary choice
+    untaught: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+
+def task_object(game: Game) -> str | None:
+    """The task's object type in lower case, as observations and commands name it (`butterknife`),
+    read from the game's task directory; None where the game has none (synthetic games)."""
+    m = TASK_DIR.match(game.game_id.split("/")[0])
+    return m["object"].lower() if m and m["type"] == game.task_type else None
 
 
 def resolve_data_root(data: str | os.PathLike | None = None) -> Path:

@@ -25,14 +25,11 @@ import re
 from pathlib import Path
 
 from agentrl.env.alfworld import AlfworldEnv
-from agentrl.env.data import Game
+from agentrl.env.data import TASK_DIR, Game
 from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, recorded_step, replay_key
 
 EXPERT_VERSION = 1  # bump when how the expert is played changes (a new key for every game)
 EXPERT_DIRNAME = "expert"  # under the cache root, beside replay/ and sft-data/
-# A task directory is <task_type>-<Object>-<MovableReceptacle>-<Receptacle or Toggle>-<scene>: what
-# ALFWorld's traj_data.json gives the expert as its pddl_params (the TW games ship without it).
-TASK_DIR = re.compile(r"^(?P<type>[a-z_]+)-(?P<object>[A-Za-z]+)-(?P<mrecep>[A-Za-z]+)-(?P<parent>[A-Za-z]+)-\d+$")
 
 
 def task_params(game: Game) -> dict:

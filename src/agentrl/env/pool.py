@@ -83,6 +83,8 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
                 out.append(replay_game(make_env, *arg))
             elif op == "expert":  # a game played by ALFWorld's hand-coded expert, its env opened and closed here
                 out.append(play_expert(*arg))
+            elif op == "decoy":  # a walkthrough with decoy visits chosen by playing it, then replayed (decoy.py)
+                out.append(play_decoy(make_env, *arg))
             elif op == "planner":  # a trajectory's commands replayed, some states labelled by the planner (planner.py)
                 out.append(label_states(*arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
@@ -99,13 +101,19 @@ def play_expert(game, max_steps: int, seed: int):
     return play_handcoded(game, max_steps, seed)
 
 
+def play_decoy(make_env, game, n: int, seed: int, fuzzy_threshold: float):
+    from agentrl.env.decoy import play_decoys  # reads the task from alfworld's constants: imported where it plays
+
+    return play_decoys(make_env, game, n, seed, fuzzy_threshold)
+
+
 def label_states(game, commands, n: int, start: int = 0):
     from agentrl.env.planner import label_commands  # the engine's planner: imported where it plans
 
     return label_commands(game, commands, n, start)
 
 
-ONE_OFF = ("replay", "expert", "planner")  # ops whose env is opened and closed within the request
+ONE_OFF = ("replay", "expert", "decoy", "planner")  # ops whose env is opened and closed within the request
 
 
 def share(pool, op: str, items: list[tuple[int, object]], n_workers: int, what: str) -> Pending:
@@ -179,6 +187,8 @@ class LocalEnvs(_Batches):
                 return replay_game(self.make_env, *arg)
             if op == "expert":
                 return play_expert(*arg)
+            if op == "decoy":
+                return play_decoy(self.make_env, *arg)
             if op == "planner":
                 return label_states(*arg)
             env = self._envs.pop(handle, None)  # release

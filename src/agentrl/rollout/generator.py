@@ -91,7 +91,8 @@ class EvalResult:
             "invalid_actions_per_episode": sum(t.invalid_actions for t in ts) / n if n else 0.0,
             "env_errors": len(all_ts) - n,
             **{k: v for k, v in behaviour_metrics(ts).items()
-               if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate", "looped_rate", "guarded_rate")},
+               if k in ("valid_action_rate", "mean_reply_tokens", "replies_cut_rate", "looped_rate", "other_object_rate",
+                       "guarded_rate")},
         }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from agentrl.env.data import Game
+from agentrl.env.data import Game, task_object
 from agentrl.errors import RunError
 
 
@@ -169,6 +169,17 @@ def looped(t: Trajectory) -> bool:
     return any(all(tail[i] == tail[i - p] for i in range(p, LOOP_WINDOW)) for p in range(1, LOOP_PERIOD + 1))
 
 
+def took_another_object(t: Trajectory) -> bool | None:
+    """The episode's first `take` picked up something other than the task's object (None: it took
+    nothing, or the game names no object). A policy cloned on walkthroughs takes whatever is where
+    it went first; this names that failure (docs/measurements/decoys.md)."""
+    obj = task_object(t.game)
+    first = next((c for c in step_commands(t) if c.startswith("take ")), None)
+    if obj is None or first is None:
+        return None
+    return first.split(" ")[1] != obj
+
+
 def step_commands(t: Trajectory) -> list[str]:
     """What each step did: the admissible command, or an invalid reply's text (it changes nothing either)."""
     return [s.command if s.command is not None else s.response.strip() for s in t.steps]
@@ -185,8 +196,10 @@ def repeats_a_cycle(history: list[str], command: str, max_period: int) -> bool:
 def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
     """What the policy did, per iteration and per eval: the share of steps whose reply mapped to an
     admissible command, mean generated tokens per reply, mean episode length (steps) and success
-    by task type, the share of replies cut at max_new_tokens, and the share of episodes that ran out
-    of steps going round a cycle (`looped`). Cut or pruned trajectories count for the steps they took."""
+    by task type, the share of replies cut at max_new_tokens, the share of episodes that ran out
+    of steps going round a cycle (`looped`), and of those that took something, the share whose first
+    take was another object than the task's (`took_another_object`). Cut or pruned trajectories
+    count for the steps they took."""
     steps = [s for t in trajectories for s in t.steps]
     replies = [n for t in trajectories for n in t.step_tokens]
     by_type: dict[str, list[bool]] = {}
@@ -197,6 +210,9 @@ def behaviour_metrics(trajectories: list[Trajectory]) -> dict:
         "mean_reply_tokens": round(sum(replies) / len(replies), 2) if replies else None,
         "replies_cut_rate": round(sum(t.replies_cut for t in trajectories) / len(replies), 4) if replies else None,
         "looped_rate": round(sum(map(looped, trajectories)) / len(trajectories), 4) if trajectories else None,
+        # of the episodes that took something, those whose first take was not the task's object
+        "other_object_rate": round(sum(took) / len(took), 4) if (took := [x for x in map(took_another_object, trajectories)
+                                                                            if x is not None]) else None,
         # sampling.loop_guard: the share of steps whose choice it narrowed
         "guarded_rate": round(sum(len(t.guarded_steps) for t in trajectories) / len(steps), 4) if steps else None,
         "mean_episode_steps": round(sum(len(t.steps) for t in trajectories) / len(trajectories), 2) if trajectories else None,

@@ -38,6 +38,7 @@ from agentrl import faults, procmem
 from agentrl.config import ADAPTER_RECORD, Config, effective_prompt
 from agentrl.env import EnvsOnDemand, env_factory, prompt_options
 from agentrl.env.data import round_robin  # noqa: F401 (tests import it from here)
+from agentrl.env.decoy import DECOY_DIRNAME, DecoyStats, decoy_games
 from agentrl.env.expert import EXPERT_DIRNAME, expert_games
 from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
@@ -129,6 +130,7 @@ class ExpertData:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (game id, why)
     cached: bool = False
     replay: ReplayStats | None = None  # None: the examples came from the dataset cache
+    decoys: DecoyStats | None = None  # sft.decoys: the games given decoy visits
 
 
 def dataset_key(games, cfg: Config, tokenizer) -> str:
@@ -137,6 +139,8 @@ def dataset_key(games, cfg: Config, tokenizer) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([DATASET_VERSION, cfg.env.kind, cfg.prompt.example, cfg.prompt.reply,
                          [(g.game_id, g.split, list(g.walkthrough)) for g in games]]).encode())
+    if any(g.untaught for g in games):  # (only then: the caches built before decoys keep their keys)
+        h.update(json.dumps([list(g.untaught) for g in games]).encode())
     if cfg.prompt.admissible:  # (only when on: the caches built before the option keep their keys)
         h.update(b"admissible")
     if cfg.prompt.history:
@@ -174,7 +178,7 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     for t in rollout.trajectories if rollout else []:
         if t.won:  # prompt.history N: one example per step, its window then the reply (what a rollout samples from)
             examples += [Example(t.game.game_id, t.game.task_type, ids, mask)
-                         for ids, mask, _ in step_sequences(t, cfg.prompt.history or 0)]
+                         for ids, mask in taught_sequences(t, cfg.prompt.history or 0)]
         else:
             why = t.error or f"the walkthrough did not win the game (ended {t.stop_reason} after {len(t.steps)} steps)"
             skipped.append((t.game.game_id, why))
@@ -182,6 +186,23 @@ def expert_dataset(cfg: Config, games, tokenizer, envs=None, cache_dir: Path | N
     if cache is not None and not env_failed:  # an env failure may pass: do not remember it
         atomic_write_jsonl(cache, [e.__dict__ for e in examples] + [{"game_id": g, "skipped": w} for g, w in skipped])
     return ExpertData(examples, skipped, replay=stats)
+
+
+def taught_sequences(t, history: int) -> list[tuple[list[int], list[int]]]:
+    """A won walkthrough's (ids, action mask) as `step_sequences` gives them, less the replies of
+    its untaught steps (a decoy visit's `go to`, env/decoy.py): off the mask in the whole episode,
+    left out under prompt.history N. What follows them is taught."""
+    skip = set(t.game.untaught)
+    seqs = step_sequences(t, history)
+    if not skip:
+        return [(ids, mask) for ids, mask, _ in seqs]
+    if history:
+        return [(ids, mask) for i, (ids, mask, _) in enumerate(seqs) if i not in skip]
+    ids, mask, _ = seqs[0]
+    for i in skip:
+        start = t.reply_starts[i]
+        mask[start:start + t.step_tokens[i]] = [0] * t.step_tokens[i]
+    return [(ids, mask)]
 
 
 def expert_rollout(cfg: Config, games, tokenizer, records: dict, on_step=None):
@@ -358,6 +379,8 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
               else {"split": s.split, "games": len(games)})
     if dagger is not None:
         origin["dagger"] = dagger.summary()
+    if data.decoys is not None:
+        origin["decoys"] = data.decoys.summary()
     if s.init_adapter:
         origin["init_adapter"] = s.init_adapter
     rows = [{"kind": "dataset", **origin, "examples": len(data.examples), "skipped": len(data.skipped),
@@ -409,8 +432,16 @@ def replay(cfg: Config, games, heldout_games, tokenizer, cache_dir: Path | None,
     envs = EnvsOnDemand(cfg)  # no worker started when every walkthrough is in the replay cache
     try:
         games, not_taught = taught(cfg, "expert", games, envs, cache_dir, replays, hooks)
+        decoys = None
+        if cfg.sft.decoys and games:  # the train games only: the held-out NLL stays on the walkthroughs as walked
+            hooks.phase("decoys", len(games))
+            games, no_decoys, decoys = decoy_games(games, envs, ReplayCache(cache_dir.parent / DECOY_DIRNAME), replays,
+                                                   cfg.sft.decoys, cfg.seed, cfg.env.fuzzy_threshold,
+                                                   on_game=lambda n: hooks.advance(n))
+            not_taught += no_decoys
         heldout_games, held_not_taught = taught(cfg, "heldout expert", heldout_games, envs, cache_dir, replays, hooks)
         data = expert_data(cfg, "replay", games, tokenizer, envs, cache_dir, replays, hooks)
+        data.decoys = decoys
         held = expert_data(cfg, "heldout", heldout_games, tokenizer, envs, cache_dir, replays, hooks)
     finally:
         envs.shutdown()

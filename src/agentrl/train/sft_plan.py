@@ -59,6 +59,7 @@ def recipe(cfg: Config, sources: list[dict] | None = None, relabel: list[str] | 
             # the teacher only where it is not the walkthrough: warm starts built before the option keep their recipe
             **({"expert": {"name": cfg.sft.expert, "max_steps": cfg.sft.expert_max_steps}}
                if cfg.sft.expert != "walkthrough" else {}),
+            **({"decoys": cfg.sft.decoys} if cfg.sft.decoys else {}),  # named only where used, as the teacher
             # the base weights' precision where it is not fp32 (bf16-if-native resolves per machine; full
             # fine-tuning trains fp32 master weights); fp32 warm starts built before the setting keep their recipe
             **({"dtype": dtype} if lc.lora_r and (dtype := resolved_dtype(cfg.model.dtype, cfg.model.device)) != "float32"
@@ -148,8 +149,8 @@ def source_digests(sources: list[Path] | None) -> list[dict] | None:
 
 
 # sft settings that decide how a run is kept, not what it learns; and the teacher, named apart (recipe)
-NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "relabel_states", "relabel_from", "init_adapter",
-              "from_walkthroughs")
+NOT_RECIPE = ("checkpoint_minutes", "expert", "expert_max_steps", "decoys", "relabel_states", "relabel_from",
+              "init_adapter", "from_walkthroughs")
 
 
 def partial_dir(out: Path) -> Path:
