@@ -79,7 +79,8 @@ class Trajectory:
 
         g = d["game"]
         d = {k: v for k, v in d.items() if k != "replies_cut"}  # a count in records written before cut_steps
-        game = Game(**{**g, "path": Path(g["path"]), "walkthrough": tuple(g.get("walkthrough", ()))})
+        game = Game(**{**g, "path": Path(g["path"]), "walkthrough": tuple(g.get("walkthrough", ())),
+                       "untaught": tuple(g.get("untaught", ()))})
         return cls(**{**d, "game": game, "steps": [Step(**s) for s in d["steps"]]})
 
     @property
