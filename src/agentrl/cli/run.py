@@ -290,7 +290,7 @@ def sft_cmd(
     lr: opt(OptFloat, "sft.lr", "AdamW learning rate (default 5e-4).") = None,
     lora_r: LoraROpt = None,
     expert: opt(OptStr, "sft.expert", "The teacher: walkthrough (each game file's plan, written knowing where everything is; the default) | handcoded (ALFWorld's hand-coded expert, which searches; a game it does not win in sft.expert_max_steps is skipped, counted).") = None,
-    decoys: opt(OptInt, "sft.decoys", "Decoy visits: before each walkthrough goes to where it takes the task's object, it first visits N other receptacles that show no such object (played, not taught), so the policy learns to move on where its guess was wrong (default 0: off).") = None,
+    decoys: opt(OptInt, "sft.decoys", "Decoy visits: before each walkthrough goes to where it takes the task's object, it first visits N other receptacles that show no such object (played, not taught), so the policy learns to move on where its guess was wrong (default 0: off; measured at 1: worse, the policy learns that the second place holds the object, docs/measurements/decoys.md).") = None,
     heldout_games: opt(OptInt, "sft.heldout_games", "valid_seen walkthroughs for the held-out NLL (0: none).") = None,
     from_: opt(Optional[list[Path]], None, "Clone the won trajectories of this `agentrl rollout` output (trajectories.jsonl or its directory; repeatable) instead of the walkthroughs: rejection-sampling fine-tuning.", "--from") = None,
     relabel: opt(Optional[list[Path]], None, "DAgger: add the states this `agentrl rollout` output's trajectories reached (train games; trajectories.jsonl or its directory; repeatable), each labelled with the PDDL planner's command there, to the walkthroughs of --games.") = None,

@@ -8,6 +8,8 @@ no walkthrough does: before the walkthrough goes to the object's receptacle, it 
 other receptacles that, on arrival, show other things and no such object, then goes on as
 walked. The decoy's own `go to` is an arbitrary choice, so it is not taught (Game.untaught: sft
 masks its reply); what is taught is the reply after it, at a place without the object: move on.
+Measured at N = 1 it made the policy worse: every taught walkthrough found the object at its second
+place, and the policy learnt that position, not to read the observation (docs/measurements/decoys.md).
 
 The decoys are chosen by playing the game (pool op "decoy", one game per request): the
 walkthrough up to the object's receptacle, then the other admissible `go to`s, in an order
