@@ -42,11 +42,18 @@ class Game:
     untaught: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
 
-def task_object(game: Game) -> str | None:
-    """The task's object type in lower case, as observations and commands name it (`butterknife`),
-    read from the game's task directory; None where the game has none (synthetic games)."""
+def task_dir(game: Game) -> re.Match | None:
+    """The game's task directory (the first part of its id) read as TASK_DIR; None where it is not
+    one of the game's task type (synthetic games)."""
     m = TASK_DIR.match(game.game_id.split("/")[0])
-    return m["object"].lower() if m and m["type"] == game.task_type else None
+    return m if m and m["type"] == game.task_type else None
+
+
+def task_object(game: Game) -> str | None:
+    """The task's object type in lower case, as observations and commands name it (`butterknife`);
+    None where the game has no task directory."""
+    m = task_dir(game)
+    return m["object"].lower() if m else None
 
 
 def resolve_data_root(data: str | os.PathLike | None = None) -> Path:

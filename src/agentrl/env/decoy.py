@@ -25,10 +25,10 @@ import dataclasses
 import random
 import re
 
-from agentrl.env.actions import map_action, parse_action
 from agentrl.env.data import Game, task_object
-from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, replay_game, replay_key
-from agentrl.prompt import reply_text
+from agentrl.env.expert import game_seed
+from agentrl.env.replay import (Replay, ReplayCache, engine_versions, file_key, played, replay_game, replay_key,
+                                sent_command)
 
 DECOY_VERSION = 1  # bump when how decoys are chosen changes (a new key for every game)
 DECOY_DIRNAME = "decoy"  # under the cache root, beside replay/, expert/ and sft-data/
@@ -74,8 +74,7 @@ def play_decoys(make_env, game: Game, n: int, seed: int, fuzzy_threshold: float)
         try:
             admissible = env.reset().admissible
             for cmd in walkthrough[:j]:
-                command, _ = map_action(parse_action(reply_text(cmd, "action")), admissible, fuzzy_threshold)
-                admissible = env.step(command).admissible
+                admissible = env.step(sent_command(cmd, admissible, fuzzy_threshold)).admissible
             candidates = sorted(c for c in admissible if c.startswith("go to ") and c != walkthrough[j])
             random.Random(seed).shuffle(candidates)
             for c in candidates:  # a `go to` changes only where the agent is: each is looked at from the last
@@ -118,8 +117,6 @@ def decoy_games(games: list[Game], backend, cache: ReplayCache | None, replays: 
     and the counts. Each record comes from `cache` or is played on `backend`'s workers (op
     "decoy") and cached; it is also put in `replays` under the new walkthrough's replay key, so
     sft's replay reads it."""
-    from agentrl.env.expert import game_seed
-
     records, _ = played(games, backend, cache, "decoy", lambda g: decoy_key(g, n, seed, fuzzy_threshold),
                         lambda g: (g, n, game_seed(g, seed), fuzzy_threshold), on_game)
     out, skipped, stats = [], [], DecoyStats(games=len(games))

@@ -21,11 +21,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-import re
-from pathlib import Path
 
 from agentrl.env.alfworld import AlfworldEnv
-from agentrl.env.data import TASK_DIR, Game
+from agentrl.env.data import Game, task_dir
 from agentrl.env.replay import Replay, ReplayCache, engine_versions, file_key, played, recorded_step, replay_key
 
 EXPERT_VERSION = 1  # bump when how the expert is played changes (a new key for every game)
@@ -34,10 +32,9 @@ EXPERT_DIRNAME = "expert"  # under the cache root, beside replay/ and sft-data/
 
 def task_params(game: Game) -> dict:
     """The expert's task parameters, read from the game's task directory name."""
-    name = Path(game.path).parent.parent.name if game.path else ""
-    m = TASK_DIR.match(name)
-    if not m or m["type"] != game.task_type:
-        raise ValueError(f"cannot read the task of {game.game_id} from its directory name {name!r}")
+    m = task_dir(game)
+    if m is None:
+        raise ValueError(f"cannot read the task of {game.game_id} from its directory name")
     from alfworld.gen import constants
 
     def norm(v: str) -> str:

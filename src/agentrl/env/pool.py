@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from agentrl.cluster import available_cores  # noqa: F401 (where env_workers reads it)
 from agentrl.env.alfworld import GameLoadError, StepResult, warm_up
 from agentrl.env.data import Game
+from agentrl.env.decoy import play_decoys
 from agentrl.env.replay import replay_game
 
 
@@ -84,7 +85,7 @@ def apply_batch(envs: dict, make_env, op: str, batch: list) -> list:
             elif op == "expert":  # a game played by ALFWorld's hand-coded expert, its env opened and closed here
                 out.append(play_expert(*arg))
             elif op == "decoy":  # a walkthrough with decoy visits chosen by playing it, then replayed (decoy.py)
-                out.append(play_decoy(make_env, *arg))
+                out.append(play_decoys(make_env, *arg))
             elif op == "planner":  # a trajectory's commands replayed, some states labelled by the planner (planner.py)
                 out.append(label_states(*arg))
         except Exception as e:  # noqa: BLE001 - one env's failure is its trajectory's, not the pool's
@@ -99,12 +100,6 @@ def play_expert(game, max_steps: int, seed: int):
     from agentrl.env.expert import play_handcoded  # the engine's expert: imported where it plays
 
     return play_handcoded(game, max_steps, seed)
-
-
-def play_decoy(make_env, game, n: int, seed: int, fuzzy_threshold: float):
-    from agentrl.env.decoy import play_decoys  # reads the task from alfworld's constants: imported where it plays
-
-    return play_decoys(make_env, game, n, seed, fuzzy_threshold)
 
 
 def label_states(game, commands, n: int, start: int = 0):
@@ -188,7 +183,7 @@ class LocalEnvs(_Batches):
             if op == "expert":
                 return play_expert(*arg)
             if op == "decoy":
-                return play_decoy(self.make_env, *arg)
+                return play_decoys(self.make_env, *arg)
             if op == "planner":
                 return label_states(*arg)
             env = self._envs.pop(handle, None)  # release

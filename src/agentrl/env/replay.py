@@ -77,7 +77,7 @@ def replay_game(make_env, game: Game, fuzzy_threshold: float) -> Replay:
         record = Replay(game.game_id, {"observation": first.observation, "admissible": list(first.admissible)})
         admissible = first.admissible
         for cmd in game.walkthrough:
-            command, _ = map_action(parse_action(reply_text(cmd, "action")), admissible, fuzzy_threshold)
+            command = sent_command(cmd, admissible, fuzzy_threshold)
             r = env.step(command)
             record.steps.append(recorded_step(command, r))
             admissible = r.admissible
@@ -87,6 +87,12 @@ def replay_game(make_env, game: Game, fuzzy_threshold: float) -> Replay:
         return record
     finally:
         env.close()
+
+
+def sent_command(cmd: str, admissible, fuzzy_threshold: float) -> str | None:
+    """What a rollout sends for the taught reply `Action: <cmd>`: parsed, then mapped to an
+    admissible command (None: invalid, the engine's no-op)."""
+    return map_action(parse_action(reply_text(cmd, "action")), admissible, fuzzy_threshold)[0]
 
 
 def recorded_step(command: str | None, r: StepResult) -> dict:
