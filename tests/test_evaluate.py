@@ -32,6 +32,7 @@ def test_heldout_plays_both_splits_as_each_alone_and_writes_their_union(tmp_path
     assert union["overall"]["won"] == sum(r["won"] for v in rows.values() for r in v)
     assert union["timing"]["env_steps"] == sum(results[s].stats.env_steps for s in ("valid_seen", "valid_unseen"))
     assert not (tmp_path / "both" / "episodes.jsonl").exists()
+    assert union["machine"]["dtype"] == "float32" and union["machine"]["cpu_capability"]  # the numerics it ran at
     assert len(game_outcomes(tmp_path / "both")[0]) == 4
 
     alone = run_eval(load_config(None, over | {"eval.split": "valid_unseen"}), tmp_path / "alone")

@@ -123,6 +123,8 @@ def test_tier1_ab_on_real_games(tmp_path, default_model_dir, data_root):
     assert report["tasks"] == 2 and report["gate"].startswith("2,0.6")
     assert report["baseline"]["groups_cut"] == 0
     assert len(report["wall_saving_ci95"]) == 2 and "Tier 1 A/B" in (out / "tier1.md").read_text()
+    for arm in ("baseline", "gated"):  # each arm says what it ran on (machine.py)
+        assert json.loads((out / arm / "summary.json").read_text())["machine"]["dtype"] == "float32"
     arms = {arm: [json.loads(line) for line in (out / arm / "trajectories.jsonl").read_text().splitlines()]
             for arm in ("baseline", "gated")}
     assert len(arms["baseline"]) == len(arms["gated"]) == 4

@@ -1,3 +1,4 @@
+import json
 import zipfile
 
 import pytest
@@ -71,6 +72,21 @@ def test_bf16_if_native_is_bf16_only_on_a_cpu_with_bf16_matmuls(monkeypatch, avx
     assert resolved_dtype("bf16-if-native", "cpu") == expected
     assert pick_dtype("auto", "cpu") is torch.float32 and pick_dtype("bfloat16", "cpu") is torch.bfloat16
     assert resolved_dtype("float32", "cpu") == "float32"
+
+
+@pytest.mark.parametrize("avx512_bf16, expected", [(False, "float32"), (True, "bfloat16")])
+def test_the_machine_record_names_the_dtype_a_setting_resolved_to(monkeypatch, avx512_bf16, expected):
+    """What eval, sft and train write beside their numbers (machine.py): bf16-if-native recorded as
+    what it ran at on this CPU, with the setting, the CPU, its ISA and the code's commit."""
+    from agentrl.config import load_config
+    from agentrl.machine import code_commit, machine, numerics
+
+    _cpu_bf16(monkeypatch, avx512_bf16, False)
+    record = machine(load_config(None, {"model.dtype": "bf16-if-native", "model.device": "cpu"}))
+    assert (record["dtype"], record["dtype_setting"], record["device"]) == (expected, "bf16-if-native", "cpu")
+    assert record["cpu"] and record["cpu_capability"] and record["threads"] >= 1 and record["torch"]
+    assert record["commit"] == code_commit() and numerics(record) == f"{expected} on cpu ({record['cpu_capability']})"
+    assert json.loads(json.dumps(record)) == record  # plain JSON
 
 
 def test_what_records_a_dtype_records_it_resolved(monkeypatch, data_root):

@@ -206,7 +206,9 @@ def test_sft_lowers_heldout_nll_and_writes_a_standard_peft_adapter(warm_start, t
     before, after = rows[1]["heldout_nll"], rows[-1]["heldout_nll"]
     assert after < before - 0.1, (before, after)  # measured: 7.56 -> 7.23
     assert summary["heldout_nll"] == {"before": before, "after": after}
-    assert json.loads((out / "agentrl.json").read_text())["prompt"] == {"example": "none", "reply": "action", "admissible": False, "history": 0}
+    record = json.loads((out / "agentrl.json").read_text())
+    assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False, "history": 0}
+    assert record["machine"]["dtype"] == "float32" and record["machine"]["device"] == "cpu"  # what its bytes came from
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_actor_dir), out)  # loads unchanged
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)  # trained, not the zero init
@@ -399,6 +401,8 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
     w0 = load_file(str(out / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
     assert {k.replace(".default", "") for k in wa} == {k.replace(".default", "") for k in w0}  # the warm start's LoRA, continued
+    starts = [json.loads(line) for line in (resumed / "machine.jsonl").read_text().splitlines()]  # one line per start
+    assert [s["resume"] for s in starts] == [False, True] and {s["dtype"] for s in starts} == {"float32"}
     # every adapter the run wrote carries the warm start's prompt, so evaluating one uses it (a bug once:
     # adapters/vN had no agentrl.json and were evaluated with the ReAct prompt and its example)
     for adapter in (straight / "adapters" / "v2", straight / "checkpoints" / "it00002" / "adapter",

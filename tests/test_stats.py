@@ -281,3 +281,26 @@ def test_rank_correlation_by_hand_and_where_there_is_no_ranking():
     assert rank_correlation([1, 2, 3, 4], [1, 8, 27, 64])["rho"] == pytest.approx(1.0)
     assert rank_correlation([1, 2], [2, 1]) is None and rank_correlation([1, 2, 3], [0.5] * 3) is None
     assert rank_correlation([0.3] * 3, [1, 2, 3]) is None
+
+
+def test_compare_says_when_the_two_sides_ran_at_other_numerics(tmp_path):
+    """The same config gives bf16 on one CPU and fp32 on another (bf16-if-native): comparing such
+    evals says so, from each eval's summary.json machine record; the same numerics, or an eval
+    without one (kept outcomes, older evals), say nothing."""
+    from agentrl.compare import compare
+
+    games = [(f"g{i}", "heat", i % 2) for i in range(6)]
+    bf16 = {"dtype": "bfloat16", "device": "cpu", "cpu_capability": "AVX512"}
+    fp32 = {"dtype": "float32", "device": "cpu", "cpu_capability": "AVX2"}
+    for name, record in (("a", bf16), ("b", fp32), ("c", bf16), ("d", None)):
+        write_eval(tmp_path / name, games)
+        if record:
+            (tmp_path / name / "summary.json").write_text(json.dumps({"machine": record}))
+    assert compare(tmp_path / "a", tmp_path / "b")["numerics"] == {"a": ["bfloat16 on cpu (AVX512)"],
+                                                                   "b": ["float32 on cpu (AVX2)"]}
+    assert "numerics" not in compare(tmp_path / "a", tmp_path / "c")
+    assert "numerics" not in compare(tmp_path / "a", tmp_path / "d")
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "A ran at bfloat16 on cpu (AVX512), B at float32 on cpu (AVX2)" in " ".join(proc.stderr.split())

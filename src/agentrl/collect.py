@@ -22,6 +22,7 @@ from agentrl.config import Config
 from agentrl.env import find_games
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, atomic_write_text
+from agentrl.machine import machine
 from agentrl.rollout import SIGNALS, Rollout, merge_rollouts
 from agentrl.rollout.generator import Generator
 from agentrl.rollout.plan import check_kv_fits
@@ -54,7 +55,8 @@ def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: b
         if not tier1_ab:
             stage = make_cut_stage(cfg, gate)
             rollout = roll_rounds(cfg, games, generator, stage, progress)
-            summary = write_rollout(rollout, out, cfg.rollout.signal_steps, stage.rule.report() if stage is not None else None)
+            summary = write_rollout(rollout, out, cfg.rollout.signal_steps, stage.rule.report() if stage is not None else None,
+                                    machine(cfg))
             if tier1_baseline is None:
                 return rollout
             result = Tier1(None, rollout, tier1_against(tier1_baseline, summary, out, gate, cfg.seed))
@@ -63,7 +65,7 @@ def run_rollout(cfg: Config, games, generator: Generator, out: Path, tier1_ab: b
             return result
         result = run_tier1(cfg, games, generator, gate, progress)
     for name, r in (("baseline", result.baseline), ("gated", result.gated)):
-        write_rollout(r, out / name, cfg.rollout.signal_steps)
+        write_rollout(r, out / name, cfg.rollout.signal_steps, machine_record=machine(cfg))
     atomic_write_json(out / "tier1.json", result.report)
     atomic_write_text(out / "tier1.md", tier1_markdown(result.report))
     return result
@@ -114,9 +116,10 @@ def groups_table(rollout: Rollout) -> list[dict]:
     return rows
 
 
-def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict | None = None) -> dict:
-    """trajectories.jsonl, groups.csv and summary.json (`gate_report`: what an auto gate learned);
-    returns the summary written."""
+def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict | None = None,
+                  machine_record: dict | None = None) -> dict:
+    """trajectories.jsonl, groups.csv and summary.json (`gate_report`: what an auto gate learned;
+    `machine_record`: what it ran on, machine.py); returns the summary written."""
     lines = []
     for g in rollout.groups:
         for t in g.trajectories:
@@ -127,7 +130,8 @@ def write_rollout(rollout: Rollout, out: Path, signal_steps, gate_report: dict |
     writer.writeheader()
     writer.writerows(r for r in groups_table(rollout) if r["K"] in set(signal_steps))
     atomic_write_text(out / "groups.csv", buf.getvalue())
-    summary = rollout_summary(rollout) | ({"gate": gate_report} if gate_report else {})
+    summary = rollout_summary(rollout) | ({"gate": gate_report} if gate_report else {}) | (
+        {"machine": machine_record} if machine_record else {})
     atomic_write_json(out / "summary.json", summary)
     return summary
 

@@ -19,11 +19,13 @@ training run fixed; the one over seeds also holds how far the runs themselves mo
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
 from agentrl.errors import UserError
 from agentrl.io import atomic_write_json, read_jsonl_numbered
+from agentrl.machine import numerics
 from agentrl.stats import paired, seed_interval
 
 SEP = "vs"  # `compare A0 A1 vs B0 B1`: the word between the two arms' seeds
@@ -39,6 +41,20 @@ def episode_files(path: Path) -> list[Path]:
     if not found:
         raise UserError(f"{path}: no episodes.jsonl (give an `agentrl eval --out` directory, its episodes.jsonl, "
                         "or a directory of them, one per split)")
+    return found
+
+
+def eval_numerics(path: Path) -> set[str]:
+    """The numerics each eval of `path` ran at ("float32 on cpu (AVX2)"), from the summary.json beside
+    its episodes; empty where none says (an older eval, or kept outcomes)."""
+    found = set()
+    for f in episode_files(path):
+        try:
+            record = json.loads((f.parent / "summary.json").read_text()).get("machine")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(record, dict):
+            found.add(numerics(record))
     return found
 
 
@@ -112,6 +128,9 @@ def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None)
     for tt in sorted({types[g] for g in common}):
         keep = {g for g in common if types[g] == tt}
         result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
+    seen_a, seen_b = (set().union(*map(eval_numerics, side)) for side in (as_, bs))
+    if seen_a and seen_b and seen_a != seen_b:  # other bits: part of the difference is the machine, not the policy
+        result["numerics"] = {"a": sorted(seen_a), "b": sorted(seen_b)}
     if len(as_) == len(bs) > 1:
         result["by_seed"] = by_seed(as_, bs, [o for o, _ in evals_a], [o for o, _ in evals_b])
     if out is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from agentrl.config import HELDOUT, HELDOUT_SPLITS, Config, effective_prompt
 from agentrl.env import find_games
 from agentrl.io import atomic_write_json, atomic_write_jsonl
+from agentrl.machine import machine
 from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.lockstep import summed_stats
 from agentrl.rollout.plan import check_kv_fits
@@ -45,6 +46,7 @@ def summary(result: EvalResult, cfg: Config) -> dict:
         },
         **({"memory": result.memory} if result.memory else {}),
         "errors": [{"task_id": t.game.game_id, "error": t.error} for t in trajs if t.error],
+        "machine": machine(cfg),  # the dtype it ran at and where: `agentrl compare` warns across numerics
         **({"walkthroughs": walkthrough_outcomes(result)} if cfg.eval.policy == "walkthrough" else {}),
     }
 

@@ -492,6 +492,10 @@ def print_comparison(r: dict, a: list, b: list) -> None:
     o = r["overall"]
     if o["only_in_a"] or o["only_in_b"]:
         err.print(f"[yellow]compared the {o['games']} games both ran; {o['only_in_a']} only in A and {o['only_in_b']} only in B left out")
+    if "numerics" in r:
+        n = r["numerics"]
+        err.print(f"[yellow]A ran at {', '.join(n['a'])}, B at {', '.join(n['b'])}: part of the difference may be the "
+                  "numerics, not the policy (summary.json's machine)")
     if "by_seed" in r:
         print_seed_pairs(r["by_seed"])
 

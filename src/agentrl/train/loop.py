@@ -18,8 +18,9 @@ what the sampler serves as version 0, so iteration 0's eval shows it.
 
 Each named step lives in its own module; the rollout-selection stages (`--select`) are in
 agentrl/select/, one small module each behind one protocol. The run directory holds config.yaml (the resolved
-config), metrics.jsonl (one line per iteration, one per eval), adapters/v{n} and
-checkpoints/ (see checkpoint.py); `--resume RUN` continues from the last complete iteration.
+config), metrics.jsonl (one line per iteration, one per eval), machine.jsonl (one line per start: the
+dtype and machine it ran on), adapters/v{n} and checkpoints/ (see checkpoint.py); `--resume RUN`
+continues from the last complete iteration.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from agentrl.config import Config
 from agentrl.env import find_games
 from agentrl.errors import RunError, UserError
 from agentrl.io import atomic_write_text, read_jsonl
+from agentrl.machine import append_machine
 from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.trajectory import behaviour_metrics, is_zero, played, played_or_stop
 from agentrl.select.selection import Selection
@@ -221,6 +223,7 @@ def train(cfg: Config, run: Path, resume: bool = False, hooks: Hooks | None = No
         generator = Generator(cfg, sampler, colocated=resolve_layout(cfg) == "colocate")
         learner = learner or make_learner(cfg)  # in this process, or its own (the two-device layout)
         metrics = Metrics(run / "metrics.jsonl", cfg.train.log_to, cfg)
+        append_machine(run / "machine.jsonl", cfg, resume=resume)  # a resumed run may continue elsewhere
         try:
             return _loop(cfg, run, resume, hooks, tasks, generator, learner, metrics)
         finally:

@@ -44,6 +44,7 @@ from agentrl.env.pool import LocalEnvs
 from agentrl.env.replay import REPLAY_DIRNAME, ReplayCache, ReplayStats, recorded_envs, replay_walkthroughs
 from agentrl.errors import UserError
 from agentrl.io import atomic_path, atomic_write_jsonl, read_jsonl
+from agentrl.machine import machine
 from agentrl.models import cache_root, load_model
 from agentrl.prompt import SYSTEM_FILES, ChatRenderer, default_prompt_dir, reply_text
 from agentrl.rollout import ModelPolicy, run_lockstep
@@ -401,6 +402,7 @@ def run_sft(cfg: Config, out: Path, force: bool = False, hooks: SftHooks | None 
         "heldout_nll": {"before": rows[1]["heldout_nll"], "after": rows[-1]["heldout_nll"]},
         "minutes": round((before + time.perf_counter() - t0) / 60, 2),
         "allocator": procmem.allocator(),  # what the minutes ran on (procmem.py: glibc's heap slows a long run)
+        "machine": machine(cfg),  # the dtype it ran at and where (its bytes differ on another CPU)
         "recipe": run_recipe,
     }
     if resumed is not None:
