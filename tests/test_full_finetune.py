@@ -7,6 +7,7 @@ The tiny Llama of conftest.py, real PEFT, real games for the warm start."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import subprocess
 import sys
@@ -202,7 +203,7 @@ def full_warm_start(tmp_path_factory, tiny_actor_dir, tokenizer, data_root):
 def test_sft_with_lora_r_0_writes_a_model_directory_that_eval_serves(full_warm_start, tiny_actor_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from agentrl.evaluate import run_eval
+    from agentrl.evaluate import run_eval, summary as eval_summary
 
     out, summary = full_warm_start
     names = {p.name for p in out.iterdir()}
@@ -223,6 +224,8 @@ def test_sft_with_lora_r_0_writes_a_model_directory_that_eval_serves(full_warm_s
     assert (cfg.prompt.example, cfg.prompt.reply) == ("none", "action")  # the warm start's prompt, from its agentrl.json
     result = run_eval(cfg)
     assert len(result.trajectories) == 2 and all(t.adapter_versions == [0] for t in result.trajectories)
+    assert eval_summary(result, cfg)["adapter_sha256"] == {  # the bytes it evaluated, as sha256sum prints them
+        "model.safetensors": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
 
 
 def test_a_full_warm_starts_recipe_leaves_out_the_lora_settings_it_never_reads(full_warm_start, tiny_actor_dir,

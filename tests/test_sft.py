@@ -6,6 +6,7 @@ real PEFT adapters, the tiny Llama of conftest.py."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -411,6 +412,12 @@ def test_resume_from_a_warm_start_equals_an_uninterrupted_run(tmp_path, warm_sta
         assert record["prompt"] == {"example": "none", "reply": "action", "admissible": False, "history": 0}, adapter
         evaluated = load_config(None, {"model.adapter": str(adapter)})
         assert (evaluated.prompt.example, evaluated.prompt.reply) == ("none", "action")
+    # what an eval's summary.json names as the bytes it evaluated: equal for the two runs' equal weights
+    from agentrl.weights import weights_digest
+    digest = weights_digest(straight / "adapters" / "v2")
+    assert digest == weights_digest(resumed / "adapters" / "v2") == {
+        "adapter_model.safetensors": hashlib.sha256((straight / "adapters" / "v2" / "adapter_model.safetensors").read_bytes()).hexdigest()}
+    assert digest != weights_digest(out)
 
 
 def agentrl(*args, cwd=None):

@@ -15,6 +15,7 @@ from agentrl.machine import machine
 from agentrl.rollout.generator import EvalResult, Generator
 from agentrl.rollout.lockstep import summed_stats
 from agentrl.rollout.plan import check_kv_fits
+from agentrl.weights import weights_digest
 
 __all__ = ["EvalResult", "eval_splits", "prepare_eval", "run_eval", "run_evals", "summary"]
 
@@ -28,6 +29,8 @@ def summary(result: EvalResult, cfg: Config) -> dict:
         "policy": cfg.eval.policy,
         "model": cfg.model.name if cfg.eval.policy == "model" else None,
         "adapter": cfg.model.adapter if cfg.eval.policy == "model" else None,
+        # the adapter's bytes: results pair on the same weights only where these agree
+        "adapter_sha256": weights_digest(cfg.model.adapter) if cfg.eval.policy == "model" and cfg.model.adapter else None,
         "max_steps": result.max_steps,
         "samples": result.samples,  # 0: greedy
         "temperature": cfg.sampling.temperature if result.samples else 0.0,

@@ -14,6 +14,7 @@ with `version`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,24 @@ def weights_kind(path) -> str:
         return "full"
     raise UserError(f"{p} is not a PEFT adapter (no adapter_config.json) nor a full model directory "
                     "(config.json + model.safetensors)")
+
+
+def weights_digest(path) -> dict[str, str]:
+    """The sha256 of each weight file a weights directory holds, as `sha256sum` prints it
+    (adapter_model.safetensors; or model.safetensors, or a sharded model's index and shards): an
+    eval's summary.json names the bytes it evaluated, so two results pair on the same weights
+    only where these agree (the same recipe on another CPU gives other bytes)."""
+    p = Path(path)
+    names = ["adapter_model.safetensors"] if weights_kind(p) == "lora" else [
+        *(f for f in FULL_WEIGHTS if (p / f).is_file()), *sorted(f.name for f in p.glob("model-*.safetensors"))]
+    digests = {}
+    for name in names:
+        h = hashlib.sha256()
+        with open(p / name, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        digests[name] = h.hexdigest()
+    return digests
 
 
 @dataclass(frozen=True)
