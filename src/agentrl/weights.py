@@ -14,11 +14,11 @@ with `version`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentrl.errors import UserError
+from agentrl.io import file_sha256
 
 KINDS = ("lora", "full")
 FULL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
@@ -46,14 +46,7 @@ def weights_digest(path) -> dict[str, str]:
     p = Path(path)
     names = ["adapter_model.safetensors"] if weights_kind(p) == "lora" else [
         *(f for f in FULL_WEIGHTS if (p / f).is_file()), *sorted(f.name for f in p.glob("model-*.safetensors"))]
-    digests = {}
-    for name in names:
-        h = hashlib.sha256()
-        with open(p / name, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        digests[name] = h.hexdigest()
-    return digests
+    return {name: file_sha256(p / name) for name in names}
 
 
 @dataclass(frozen=True)
