@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,11 +144,21 @@ def test_compare_reads_a_directory_of_splits_as_one_eval(tmp_path):
     write_eval(tmp_path / "b" / "valid_seen", [(g, t, 1) for g, t, _ in games], "valid_seen")
     write_eval(tmp_path / "b" / "valid_unseen", [(g, t, int(g == "g0")) for g, t, _ in games], "valid_unseen")
     from agentrl.compare import compare, game_outcomes
-    r = compare(tmp_path / "a", tmp_path / "b")["overall"]
+    full = compare(tmp_path / "a", tmp_path / "b")
+    r = full["overall"]
     assert r["games"] == 8 and r["won_b"] == 5 and r["won_only_by_b"][-1] == "valid_unseen/g0"
     assert r["mcnemar_p"] == pytest.approx(2 / 32)
-    r = compare(tmp_path / "a", tmp_path / "b" / "valid_seen")["overall"]
-    assert r["games"] == 4 and r["only_in_a"] == 4
+    # each split paired apart too: 4 against 0 (p = 2/16), 1 against 0 (p = 1)
+    seen, unseen = full["by_split"]["valid_seen"], full["by_split"]["valid_unseen"]
+    assert (seen["games"], seen["won_b"], seen["mcnemar_p"]) == (4, 4, pytest.approx(2 / 16))
+    assert (unseen["games"], unseen["won_only_by_b"], unseen["mcnemar_p"]) == (4, ["valid_unseen/g0"], pytest.approx(1.0))
+    proc = subprocess.run([sys.executable, "-m", "agentrl.cli", "compare", str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=120, env=os.environ | {"COLUMNS": "160"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {ln.split("│")[1].strip(): ln for ln in proc.stdout.splitlines() if ln.count("│") > 2}
+    assert {"valid_seen (4)", "valid_unseen (4)", "overall (8)"} <= set(rows) and "0.125" in rows["valid_seen (4)"]
+    one = compare(tmp_path / "a", tmp_path / "b" / "valid_seen")
+    assert one["overall"]["games"] == 4 and one["overall"]["only_in_a"] == 4 and "by_split" not in one
     write_eval(tmp_path / "c" / "x", games)
     write_eval(tmp_path / "c" / "y", games)  # the same split twice: not one eval per split
     with pytest.raises(UserError, match="valid_seen/g0 is in both"):

@@ -128,6 +128,10 @@ def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None)
     for tt in sorted({types[g] for g in common}):
         keep = {g for g in common if types[g] == tt}
         result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
+    splits = sorted({g.split("/", 1)[0] for g in common})  # game_outcomes names a game split/id
+    if len(splits) > 1:
+        result["by_split"] = {s: paired({g: outcomes_a[g] for g in common if g.startswith(s + "/")},
+                                        {g: outcomes_b[g] for g in common if g.startswith(s + "/")}) for s in splits}
     seen_a, seen_b = (set().union(*map(eval_numerics, side)) for side in (as_, bs))
     if seen_a and seen_b and seen_a != seen_b:  # other bits: part of the difference is the machine, not the policy
         result["numerics"] = {"a": sorted(seen_a), "b": sorted(seen_b)}
