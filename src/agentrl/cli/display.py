@@ -484,13 +484,13 @@ def print_comparison(r: dict, a: list, b: list) -> None:
     def ci(c) -> str:
         return "-" if c is None else f"{100 * c[0]:.1f}–{100 * c[1]:.1f}%"
 
-    rows = [*r["by_task_type"].items(), *r.get("by_split", {}).items(), ("overall", r["overall"])]
-    for i, (name, x) in enumerate(rows):
-        if i in (len(r["by_task_type"]), len(rows) - 1):  # a rule between task types, splits and overall
-            t.add_section()
-        t.add_row(f"{name} ({x['games']})", f"{100 * x['success_a']:.1f}%", ci(x["ci95_a"]), f"{100 * x['success_b']:.1f}%",
-                  ci(x["ci95_b"]), f"{x['difference_points']:+.1f}", str(len(x["won_only_by_a"])),
-                  str(len(x["won_only_by_b"])), f"{x['mcnemar_p']:.3g}", style="bold" if name == "overall" else None)
+    sections = [r["by_task_type"], r.get("by_split", {}), {"overall": r["overall"]}]
+    for section in filter(None, sections):  # a rule between task types, splits and overall
+        t.add_section()
+        for name, x in section.items():
+            t.add_row(f"{name} ({x['games']})", f"{100 * x['success_a']:.1f}%", ci(x["ci95_a"]), f"{100 * x['success_b']:.1f}%",
+                      ci(x["ci95_b"]), f"{x['difference_points']:+.1f}", str(len(x["won_only_by_a"])),
+                      str(len(x["won_only_by_b"])), f"{x['mcnemar_p']:.3g}", style="bold" if name == "overall" else None)
     console.print(t)
     o = r["overall"]
     if o["only_in_a"] or o["only_in_b"]:
